@@ -1,0 +1,108 @@
+"""Multi-head Latent Attention (MLA), the training path.
+
+Per token x (DeepSeek-V2/V3, names as in the checkpoint):
+
+    q            = q_b(RMSNorm(q_a(x)))             → per head [q_nope (128) | q_rope (64)]
+    [c, k_rope]  = kv_a_proj_with_mqa(x)            → latent c (512) and ONE rope key (64)
+    [k_nope | v] = kv_b(RMSNorm(c))                 → per head k_nope (128), v (128)
+    s_ij         = scale · (q_nope,i·k_nope,j + RoPE(q_rope,i)·RoPE(k_rope,j))
+    o            = o_proj(softmax_j(s_ij + mask_ij) · v)
+
+with scale = qk_head_dim^-1/2 · m², m the YaRN mscale (1 without YaRN). The
+largest unmasked s_ij per head (`max_logits`, [heads]) is returned beside the
+output: QK-Clip reads it after each step.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from k25jax.model import rope
+from k25jax.model.config import ModelConfig, yarn_attention_mscale
+from k25jax.model.layers import Linear, RMSNorm, dtype_of
+
+# The latent norms of the checkpoint use this eps whatever `rms_norm_eps` says.
+LATENT_NORM_EPS = 1e-6
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+  """qk_head_dim^-1/2 · m², m = 0.1 · mscale_all_dim · ln(factor) + 1."""
+  return cfg.qk_head_dim ** -0.5 * yarn_attention_mscale(cfg) ** 2
+
+
+def attention_mask(seq_len: int, segment_ids: jax.Array | None) -> jax.Array:
+  """Causal ∧ same-segment mask, [batch or 1, 1, q, k] bool."""
+  causal = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))[None, None]
+  if segment_ids is None:
+    return causal
+  same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+  return causal & same
+
+
+class MLA(nn.Module):
+  """MLA with per-head max pre-softmax logits as an auxiliary output."""
+
+  cfg: ModelConfig
+
+  def setup(self):
+    cfg = self.cfg
+    kw = dict(std=cfg.initializer_range, dtype=dtype_of(cfg.dtype), param_dtype=dtype_of(cfg.param_dtype))
+    norm_kw = dict(eps=LATENT_NORM_EPS, dtype=dtype_of(cfg.dtype), param_dtype=dtype_of(cfg.param_dtype))
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    if cfg.q_lora_rank:
+      self.q_a_proj = Linear(d, cfg.q_lora_rank, ("embed", "q_lora"), use_bias=cfg.attention_bias, **kw)
+      self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, axis_name="q_lora", **norm_kw)
+      self.q_b_proj = Linear(cfg.q_lora_rank, (h, cfg.qk_head_dim), ("q_lora", "heads", "qk_head_dim"), **kw)
+    else:
+      self.q_proj = Linear(d, (h, cfg.qk_head_dim), ("embed", "heads", "qk_head_dim"), **kw)
+    self.kv_a_proj_with_mqa = Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, ("embed", "kv_lora"),
+                                     use_bias=cfg.attention_bias, **kw)
+    self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, axis_name="kv_lora", **norm_kw)
+    self.kv_b_proj = Linear(cfg.kv_lora_rank, (h, cfg.qk_nope_head_dim + cfg.v_head_dim),
+                            ("kv_lora", "heads", "kv_head_dim"), **kw)
+    self.o_proj = Linear((h, cfg.v_head_dim), d, ("heads", "kv_head_dim", "embed"),
+                         use_bias=cfg.attention_bias, **kw)
+    self.inv_freq, self.rope_scale = rope.inverse_frequencies(
+        cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+  def queries(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(q_nope [b, s, h, nope], rotated q_rope [b, s, h, rope])."""
+    cfg = self.cfg
+    if cfg.q_lora_rank:
+      q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+    else:
+      q = self.q_proj(x)
+    q_nope, q_rope = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
+    return q_nope, rope.apply_rope(q_rope, positions, self.inv_freq, self.rope_scale)
+
+  def latents(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """What the decode cache keeps: (normed latent [b, s, kv_lora], rotated k_rope [b, s, rope])."""
+    cfg = self.cfg
+    compressed = self.kv_a_proj_with_mqa(x)
+    latent, k_rope = jnp.split(compressed, [cfg.kv_lora_rank], axis=-1)
+    k_rope = rope.apply_rope(k_rope[:, :, None, :], positions, self.inv_freq, self.rope_scale)[:, :, 0]
+    return self.kv_a_layernorm(latent), k_rope
+
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None
+               ) -> tuple[jax.Array, jax.Array]:
+    """x: [batch, seq, hidden] → (output [batch, seq, hidden], max_logits [heads] float32)."""
+    cfg = self.cfg
+    q_nope, q_rope = self.queries(x, positions)
+    latent, k_rope = self.latents(x, positions)
+    kv = self.kv_b_proj(latent)
+    k_nope, v = jnp.split(kv, [cfg.qk_nope_head_dim], axis=-1)
+    q_nope = nn.with_logical_constraint(q_nope, ("activation_batch", "activation_length", "activation_heads", None))
+    k_nope = nn.with_logical_constraint(k_nope, ("activation_batch", "activation_length", "activation_heads", None))
+
+    logits = (jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=jnp.float32)
+              + jnp.einsum("bqhr,bkr->bhqk", q_rope, k_rope, preferred_element_type=jnp.float32))
+    logits = logits * softmax_scale(cfg)
+    mask = attention_mask(x.shape[1], segment_ids)
+    masked = jnp.where(mask, logits, -jnp.inf)
+    valid = mask if segment_ids is None else mask & (segment_ids[:, None, :, None] > 0)
+    max_logits = jnp.max(jnp.where(valid, logits, -jnp.inf), axis=(0, 2, 3))
+    probs = jax.nn.softmax(masked, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    out = nn.with_logical_constraint(out, ("activation_batch", "activation_length", "activation_heads", None))
+    return self.o_proj(out), jax.lax.stop_gradient(max_logits)

@@ -1,0 +1,107 @@
+"""The K2 decoder: embeddings, `first_k_dense_replace` dense layers, MoE layers, lm head.
+
+    h_0 = embed(tokens)
+    h'  = h + MLA(RMSNorm(h))
+    h   = h' + FFN(RMSNorm(h'))          FFN = SwiGLU (dense layers) or MoE
+    logits = lm_head(RMSNorm(h_L))
+
+`Transformer.apply({"params": params}, tokens)` returns (logits [b, s, vocab] float32,
+aux) with aux = {"max_logits": [layers, heads], "expert_load": [moe_layers, E],
+"balance_loss": scalar (mean over MoE layers)}.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from k25jax.model.attention import MLA
+from k25jax.model.config import ModelConfig
+from k25jax.model.layers import MLP, RMSNorm, dtype_of, normal_init
+from k25jax.model.moe import MoE
+
+ACTIVATION = ("activation_batch", "activation_length", "activation_embed")
+
+
+class DecoderLayer(nn.Module):
+  cfg: ModelConfig
+  moe: bool
+
+  @nn.compact
+  def __call__(self, h, positions, segment_ids, token_mask):
+    cfg = self.cfg
+    norm = dict(eps=cfg.rms_norm_eps, dtype=dtype_of(cfg.dtype), param_dtype=dtype_of(cfg.param_dtype))
+    attn_out, max_logits = MLA(cfg, name="self_attn")(
+        RMSNorm(cfg.hidden_size, name="input_layernorm", **norm)(h), positions, segment_ids)
+    h = nn.with_logical_constraint(h + attn_out, ACTIVATION)
+    x = RMSNorm(cfg.hidden_size, name="post_attention_layernorm", **norm)(h)
+    if self.moe:
+      ffn_out, moe_aux = MoE(cfg, name="mlp")(x, token_mask)
+    else:
+      ffn_out, moe_aux = MLP(cfg.hidden_size, cfg.intermediate_size, std=cfg.initializer_range,
+                             dtype=dtype_of(cfg.dtype), param_dtype=dtype_of(cfg.param_dtype),
+                             name="mlp")(x), None
+    return nn.with_logical_constraint(h + ffn_out, ACTIVATION), max_logits, moe_aux
+
+
+class Transformer(nn.Module):
+  """The K2 text backbone (DeepseekV3ForCausalLM)."""
+
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None, *, return_hidden: bool = False):
+    """tokens: int32 [batch, seq]; positions default to 0..seq-1; segment_ids: 0 = padding."""
+    cfg = self.cfg
+    if tokens.ndim != 2:
+      raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
+    batch, seq = tokens.shape
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+    token_mask = None if segment_ids is None else segment_ids > 0
+    embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype_of(cfg.dtype),
+                     param_dtype=dtype_of(cfg.param_dtype), name="embed_tokens",
+                     embedding_init=nn.with_logical_partitioning(normal_init(cfg.initializer_range),
+                                                                 ("vocab", "embed")))
+    h = nn.with_logical_constraint(embed(tokens), ACTIVATION)
+    max_logits, loads, balance = [], [], []
+    for i in range(cfg.num_hidden_layers):
+      h, layer_max, moe_aux = DecoderLayer(cfg, cfg.is_moe_layer(i), name=f"layers_{i}")(
+          h, positions, segment_ids, token_mask)
+      max_logits.append(layer_max)
+      if moe_aux is not None:
+        loads.append(moe_aux["load"])
+        balance.append(moe_aux["balance_loss"])
+    h = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype_of(cfg.dtype),
+                param_dtype=dtype_of(cfg.param_dtype), name="norm")(h)
+    if cfg.tie_word_embeddings:
+      logits = embed.attend(h)
+    else:
+      kernel = self.param("lm_head", nn.with_logical_partitioning(normal_init(cfg.initializer_range),
+                                                                  ("embed", "vocab")),
+                          (cfg.hidden_size, cfg.vocab_size), dtype_of(cfg.param_dtype))
+      logits = jnp.dot(h, kernel.astype(h.dtype))
+    logits = nn.with_logical_constraint(logits.astype(jnp.float32),
+                                        ("activation_batch", "activation_length", "activation_vocab"))
+    aux = {
+        "max_logits": jnp.stack(max_logits),
+        "expert_load": jnp.stack(loads) if loads else jnp.zeros((0, cfg.n_routed_experts)),
+        "balance_loss": jnp.mean(jnp.stack(balance)) if balance else jnp.zeros(()),
+    }
+    if return_hidden:
+      aux["hidden"] = h
+    return logits, aux
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array, seq_len: int = 8):
+  """Plain (unboxed) parameter pytree of a freshly initialised model."""
+  model = Transformer(cfg)
+  variables = model.init(rng, jnp.zeros((1, seq_len), jnp.int32))
+  return nn.meta.unbox(variables["params"])
+
+
+def abstract_params(cfg: ModelConfig, seq_len: int = 8):
+  """Shapes and logical-axis boxes of the params, without allocating (`jax.eval_shape`)."""
+  model = Transformer(cfg)
+  return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, seq_len), jnp.int32)))["params"]

@@ -1,0 +1,33 @@
+"""k25jax: an open JAX training stack for Kimi K2.5.
+
+Install: pip install -e ".[dev]"
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="k25jax",
+    version="0.1.0",
+    description="JAX/Flax training stack for Kimi K2.5 (K2 MoE backbone, MoonViT-3D, RL, Toggle, PARL).",
+    packages=find_packages(include=["k25jax", "k25jax.*", "pallas_kernels", "pallas_kernels.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        "jax>=0.10.2",
+        "flax>=0.12",
+        "optax>=0.2.7",
+        "orbax-checkpoint",
+        "grain",
+        "ml-collections",
+        "tensorboardX",
+        "safetensors",
+        "absl-py",
+        "numpy",
+    ],
+    extras_require={
+        "dev": [
+            "pytest",
+            "torch==2.13.0",
+            "transformers>=5.13",
+            "compressed-tensors",
+        ],
+    },
+)
