@@ -1,0 +1,309 @@
+"""Hugging Face checkpoints ⇄ k25jax params for the K2 text backbone.
+
+    cfg, params = hf.load(path)          # config.json + safetensors (sharded index too)
+    hf.save(cfg, params, path)           # a folder `DeepseekV3ForCausalLM.from_pretrained` loads
+
+Names understood on load:
+* per-expert tensors `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`;
+* transformers 5.x fused experts `mlp.experts.gate_up_proj` [E, 2f, d] and `mlp.experts.down_proj` [E, d, f];
+* the K2.5 multimodal prefixes `language_model.model.` / `language_model.lm_head.` (released files)
+  and `model.language_model.` (transformers' layout); vision tensors are skipped here;
+* routed experts in INT4 pack-quantized form (`weight_packed`, `weight_scale`, `weight_shape`),
+  dequantized on load (`k25jax.convert.int4`).
+
+Loading streams one tensor at a time from memory-mapped files; each finished leaf is
+converted to the param dtype and, if `shardings` is given, placed on its sharding.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Iterator
+
+import flax.linen as nn
+import jax
+import numpy as np
+from flax import traverse_util
+
+from k25jax.convert import int4, safetensors_io
+from k25jax.model import transformer
+from k25jax.model.config import ModelConfig
+from k25jax.model.layers import dtype_of
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_QUANT_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
+_SKIPPED = re.compile(r"(rotary_emb\.inv_freq$|^vision_tower\.|^mm_projector\.|^model\.vision_tower\.|"
+                      r"^model\.mm_projector\.|^multi_modal_projector\.)")
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that disagrees with its config (names the offending tensor)."""
+
+
+# ------------------------------------------------------------------------ naming
+def normalize_name(name: str) -> str:
+  """Maps the multimodal prefixes onto the text model's `model.` / `lm_head.` names."""
+  for prefix, repl in (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                       ("model.language_model.", "model.")):
+    if name.startswith(prefix):
+      return repl + name[len(prefix):]
+  return name
+
+
+def _attn_rule(cfg: ModelConfig, proj: str):
+  h = cfg.num_attention_heads
+  return {
+      "q_a_proj": ("t", None), "q_b_proj": ("t_heads_out", h), "q_proj": ("t_heads_out", h),
+      "kv_a_proj_with_mqa": ("t", None), "kv_b_proj": ("t_heads_out", h), "o_proj": ("t_heads_in", h),
+  }.get(proj)
+
+
+def hf_target(cfg: ModelConfig, name: str):
+  """HF tensor name → (our param path, transform, expert index) or None if not ours."""
+  if name == "model.embed_tokens.weight":
+    return ("embed_tokens", "embedding"), "copy", None
+  if name == "lm_head.weight":
+    return ("lm_head",), "t", None
+  if name == "model.norm.weight":
+    return ("norm", "weight"), "copy", None
+  m = _LAYER.match(name)
+  if not m:
+    return None
+  i, rest = int(m.group(1)), m.group(2)
+  if i >= cfg.num_hidden_layers:
+    return None  # multi-token-prediction layers of DeepSeek-style checkpoints
+  layer = f"layers_{i}"
+  parts = rest.split(".")
+  if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+    return (layer, parts[0], "weight"), "copy", None
+  if parts[0] == "self_attn":
+    if parts[1] in ("q_a_layernorm", "kv_a_layernorm") and parts[2] == "weight":
+      return (layer, "self_attn", parts[1], "weight"), "copy", None
+    rule = _attn_rule(cfg, parts[1])
+    if rule and parts[2] == "weight":
+      return (layer, "self_attn", parts[1], "kernel"), rule[0], None
+    if rule and parts[2] == "bias":
+      return (layer, "self_attn", parts[1], "bias"), "copy", None
+    return None
+  if parts[0] != "mlp":
+    return None
+  if not cfg.is_moe_layer(i):
+    if len(parts) == 3 and parts[1] in ("gate_proj", "up_proj", "down_proj") and parts[2] == "weight":
+      return (layer, "mlp", parts[1], "kernel"), "t", None
+    return None
+  if rest == "mlp.gate.weight":
+    return (layer, "mlp", "gate", "kernel"), "t", None
+  if rest == "mlp.gate.e_score_correction_bias":
+    return (layer, "mlp", "gate", "e_score_correction_bias"), "copy", None
+  if len(parts) == 4 and parts[1] == "shared_experts" and parts[3] == "weight":
+    return (layer, "mlp", "shared_experts", parts[2], "kernel"), "t", None
+  e = _EXPERT.match(rest)
+  if e:
+    return (layer, "mlp", "experts", e.group(2)), "t", int(e.group(1))
+  if rest == "mlp.experts.gate_up_proj":
+    return (layer, "mlp", "experts"), "fused_gate_up", None
+  if rest == "mlp.experts.down_proj":
+    return (layer, "mlp", "experts", "down_proj"), "fused_down", None
+  return None
+
+
+def _transform(kind: str, x: np.ndarray, heads: int | None = None) -> np.ndarray:
+  if kind == "copy":
+    return x
+  if kind == "t":
+    return x.T
+  if kind == "t_heads_out":   # [heads·k, in] → [in, heads, k]
+    return x.T.reshape(x.shape[1], heads, -1)
+  if kind == "t_heads_in":    # [out, heads·k] → [heads, k, out]
+    return x.T.reshape(heads, -1, x.shape[0])
+  if kind == "fused_down":    # [E, d, f] → [E, f, d]
+    return np.swapaxes(x, 1, 2)
+  raise ValueError(kind)
+
+
+# -------------------------------------------------------------------------- load
+def load_config(path: str, **overrides: Any) -> ModelConfig:
+  with open(os.path.join(path, "config.json")) as f:
+    hf_cfg = json.load(f)
+  return ModelConfig.from_hf_dict(hf_cfg, **overrides)
+
+
+def _quant_group(path: str) -> int:
+  with open(os.path.join(path, "config.json")) as f:
+    hf_cfg = json.load(f)
+  qc = hf_cfg.get("quantization_config") or hf_cfg.get("text_config", {}).get("quantization_config") or {}
+  for group in (qc.get("config_groups") or {}).values():
+    size = (group.get("weights") or {}).get("group_size")
+    if size:
+      return int(size)
+  return 32
+
+
+def load(path: str, shardings: Any = None, **overrides: Any):
+  """Reads a HF checkpoint folder → (ModelConfig, params pytree).
+
+  overrides: our ModelConfig fields (e.g. moe_impl="dense", param_dtype="bfloat16").
+  shardings: optional pytree of `jax.sharding.Sharding` with the params' structure.
+  """
+  cfg = load_config(path, **overrides)
+  expected = {k: tuple(v.shape) for k, v in
+              traverse_util.flatten_dict(nn.meta.unbox(transformer.abstract_params(cfg))).items()}
+  flat_shardings = (traverse_util.flatten_dict(shardings) if shardings is not None else {})
+  param_dtype = dtype_of(cfg.param_dtype)
+  out: dict[tuple, Any] = {}
+  stacked: dict[tuple, np.ndarray] = {}
+  filled: dict[tuple, set] = {}
+  quant_parts: dict[str, dict[str, np.ndarray]] = {}
+  group = _quant_group(path)
+  source_of: dict[tuple, str] = {}
+
+  def finish(key: tuple, value: np.ndarray):
+    dtype = np.float32 if key[-1] in ("e_score_correction_bias",) or key[-2:] == ("gate", "kernel") else param_dtype
+    arr = np.asarray(value).astype(dtype)
+    out[key] = (jax.device_put(arr, flat_shardings[key]) if key in flat_shardings else jax.numpy.asarray(arr))
+
+  def place(name: str, value: np.ndarray):
+    target = hf_target(cfg, name)
+    if target is None:
+      if _SKIPPED.search(name) or (_LAYER.match(name) and int(_LAYER.match(name).group(1)) >= cfg.num_hidden_layers):
+        return
+      raise CheckpointError(f"tensor {name!r} has no place in a model with this config")
+    key, kind, expert = target
+    if kind == "fused_gate_up":
+      f = cfg.moe_intermediate_size
+      if value.shape != (cfg.n_routed_experts, 2 * f, cfg.hidden_size):
+        raise CheckpointError(f"tensor {name!r} has shape {value.shape}, config expects "
+                              f"{(cfg.n_routed_experts, 2 * f, cfg.hidden_size)}")
+      place_leaf(key + ("gate_proj",), np.swapaxes(value[:, :f], 1, 2), name)
+      place_leaf(key + ("up_proj",), np.swapaxes(value[:, f:], 1, 2), name)
+      return
+    heads = cfg.num_attention_heads
+    if kind in ("t_heads_out", "t_heads_in") and value.ndim == 2:
+      want = expected.get(key)
+      flat = (want[1] * want[2], want[0]) if kind == "t_heads_out" else (want[2], want[0] * want[1])
+      if value.shape != flat:
+        raise CheckpointError(f"tensor {name!r} has shape {value.shape}, config expects {flat}")
+    if expert is not None:
+      if key not in expected:
+        raise CheckpointError(f"tensor {name!r} has no place in a model with this config")
+      full = expected[key]
+      if expert >= full[0]:
+        raise CheckpointError(f"tensor {name!r}: expert {expert} but config has n_routed_experts={full[0]}")
+      piece = _transform(kind, value)
+      if piece.shape != full[1:]:
+        raise CheckpointError(f"tensor {name!r} has shape {value.shape}, config expects {full[1:][::-1]}")
+      buf = stacked.setdefault(key, np.zeros(full, np.float32))
+      buf[expert] = piece
+      filled.setdefault(key, set()).add(expert)
+      if len(filled[key]) == full[0]:
+        finish(key, stacked.pop(key))
+      return
+    place_leaf(key, _transform(kind, value, heads), name)
+
+  def place_leaf(key: tuple, value: np.ndarray, name: str):
+    if key not in expected:
+      raise CheckpointError(f"tensor {name!r} has no place in a model with this config")
+    if tuple(value.shape) != expected[key]:
+      raise CheckpointError(f"tensor {name!r} maps to {'/'.join(key)} of shape {expected[key]}, "
+                            f"but the checkpoint's has shape {tuple(value.shape)} after conversion")
+    if key in out:
+      raise CheckpointError(f"tensor {name!r} duplicates {source_of[key]!r}")
+    source_of[key] = name
+    finish(key, value)
+
+  for raw_name, file in safetensors_io.iterate(path):
+    name = normalize_name(raw_name)
+    part = name.rsplit(".", 1)
+    if len(part) == 2 and part[1] in _QUANT_PARTS:
+      module = part[0]
+      parts = quant_parts.setdefault(module, {})
+      parts[part[1]] = np.array(file.get(raw_name))
+      if all(p in parts for p in _QUANT_PARTS[:3]):
+        zp = parts.get("weight_zero_point")
+        w = int4.dequantize(parts["weight_packed"], parts["weight_scale"], parts["weight_shape"], zp, group)
+        del quant_parts[module]
+        place(module + ".weight", w)
+      continue
+    place(name, file.get(raw_name))
+
+  if quant_parts:
+    module = next(iter(quant_parts))
+    raise CheckpointError(f"quantized tensor {module!r} is incomplete: has {sorted(quant_parts[module])}")
+  for key in stacked:
+    missing = sorted(set(range(expected[key][0])) - filled[key])
+    raise CheckpointError(f"missing tensor {_hf_expert_name(key, missing[0])!r} (experts {missing})")
+  for key in expected:
+    if key not in out:
+      raise CheckpointError(f"missing tensor for {'/'.join(key)} (HF name {hf_names(cfg, key)[0]!r})")
+  return cfg, traverse_util.unflatten_dict(out)
+
+
+def _hf_expert_name(key: tuple, expert: int) -> str:
+  return f"model.layers.{key[0].split('_')[1]}.mlp.experts.{expert}.{key[-1]}.weight"
+
+
+# -------------------------------------------------------------------------- save
+def hf_names(cfg: ModelConfig, key: tuple) -> list[str]:
+  """The HF names a param leaf is written as (one per expert for stacked experts)."""
+  if key == ("embed_tokens", "embedding"):
+    return ["model.embed_tokens.weight"]
+  if key == ("lm_head",):
+    return ["lm_head.weight"]
+  if key == ("norm", "weight"):
+    return ["model.norm.weight"]
+  i = int(key[0].split("_")[1])
+  base = f"model.layers.{i}." + ".".join(k for k in key[1:-1])
+  if key[1:3] == ("mlp", "experts"):
+    return [f"model.layers.{i}.mlp.experts.{e}.{key[3]}.weight" for e in range(cfg.n_routed_experts)]
+  if key[-1] == "e_score_correction_bias":
+    return [f"model.layers.{i}.mlp.gate.e_score_correction_bias"]
+  suffix = "bias" if key[-1] == "bias" else "weight"
+  return [f"{base}.{suffix}"]
+
+
+def to_hf_tensors(cfg: ModelConfig, params) -> Iterator[tuple[str, np.ndarray]]:
+  """Yields (HF name, numpy array) for every param, experts split per expert."""
+  flat = traverse_util.flatten_dict(params)
+  for key, value in flat.items():
+    value = np.asarray(jax.device_get(value))
+    names = hf_names(cfg, key)
+    if key[1:3] == ("mlp", "experts"):
+      for e, name in enumerate(names):
+        yield name, np.ascontiguousarray(value[e].T)
+      continue
+    if value.ndim == 3 and key[-1] == "kernel":       # per-head projections
+      if key[-2] == "o_proj":                          # [heads, k, out] → [out, heads·k]
+        value = value.reshape(-1, value.shape[-1]).T
+      else:                                            # [in, heads, k] → [heads·k, in]
+        value = value.reshape(value.shape[0], -1).T
+    elif value.ndim == 2 and key != ("embed_tokens", "embedding"):
+      value = value.T
+    yield names[0], np.ascontiguousarray(value)
+
+
+def save(cfg: ModelConfig, params, path: str, max_shard_bytes: int = 2 << 30) -> None:
+  """Writes config.json + safetensors shards (+ index when sharded) that transformers loads."""
+  os.makedirs(path, exist_ok=True)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(cfg.to_hf_dict(), f, indent=2)
+  shards, current, size = [], {}, 0
+  for name, value in to_hf_tensors(cfg, params):
+    if current and size + value.nbytes > max_shard_bytes:
+      shards.append(current)
+      current, size = {}, 0
+    current[name] = value
+    size += value.nbytes
+  shards.append(current)
+  if len(shards) == 1:
+    safetensors_io.write(os.path.join(path, "model.safetensors"), shards[0], {"format": "pt"})
+    return
+  weight_map = {}
+  for n, shard in enumerate(shards):
+    fname = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+    safetensors_io.write(os.path.join(path, fname), shard, {"format": "pt"})
+    weight_map.update({name: fname for name in shard})
+  total = sum(v.nbytes for s in shards for v in s.values())
+  with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

@@ -1,0 +1,61 @@
+"""Pack-quantized INT4 weights (compressed-tensors `pack-quantized`, symmetric, grouped).
+
+The released K2.5 routed experts store each [out, in] matrix W as
+* `weight_packed` int32 [out, ceil(in/8)]: q + 8 as nibbles, element i of a word at bits 4i;
+* `weight_scale` [out, in/group] (bf16), `weight_shape` = [out, in],
+  optionally `weight_zero_point` [out, in/group] (asymmetric variants);
+and W ≈ (q − z) · s with q ∈ [−8, 7] per group of `group` (32) input columns.
+Quantization (the published formula): s = max|W_g| / 7.5, q = clip(round(W/s), −8, 7).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+BITS = 4
+PER_WORD = 32 // BITS
+
+
+def unpack(packed: np.ndarray, columns: int) -> np.ndarray:
+  """int32 [..., words] → int8 [..., columns] in [−8, 7]."""
+  words = np.ascontiguousarray(packed.astype("<i4"))
+  nibbles = words.view(np.uint8)
+  values = np.stack([nibbles & 0xF, nibbles >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+  return (values[..., :columns].astype(np.int8) - 8)
+
+
+def pack(q: np.ndarray) -> np.ndarray:
+  """int values in [−8, 7], [..., columns] → int32 [..., ceil(columns/8)]."""
+  if q.min() < -8 or q.max() > 7:
+    raise ValueError("int4 values must lie in [-8, 7]")
+  columns = q.shape[-1]
+  padded = -(-columns // PER_WORD) * PER_WORD
+  u = np.zeros((*q.shape[:-1], padded), np.uint32)
+  u[..., :columns] = (q.astype(np.int32) + 8).astype(np.uint32)
+  u = u.reshape(*q.shape[:-1], -1, PER_WORD)
+  shifts = (np.arange(PER_WORD, dtype=np.uint32) * BITS)
+  return np.bitwise_or.reduce(u << shifts, axis=-1).astype(np.uint32).view(np.int32)
+
+
+def dequantize(packed: np.ndarray, scale: np.ndarray, shape, zero_point: np.ndarray | None = None,
+               group: int = 32) -> np.ndarray:
+  """W = (q − z) · s per group of `group` input columns, float32 [out, in]."""
+  out_dim, in_dim = (int(s) for s in shape)
+  if scale.shape != (out_dim, -(-in_dim // group)):
+    raise ValueError(f"int4 scale shape {scale.shape} does not match weight shape {(out_dim, in_dim)} "
+                     f"with group size {group}")
+  q = unpack(packed, in_dim).astype(np.float32)
+  if zero_point is not None:
+    q = q - np.repeat(zero_point.astype(np.float32), group, axis=-1)[:, :in_dim]
+  return q * np.repeat(scale.astype(np.float32), group, axis=-1)[:, :in_dim]
+
+
+def quantize(w: np.ndarray, group: int = 32) -> tuple[np.ndarray, np.ndarray]:
+  """Symmetric per-group INT4: returns (packed int32 [out, in/8], scale float32 [out, in/group])."""
+  out_dim, in_dim = w.shape
+  if in_dim % group:
+    raise ValueError(f"input dim {in_dim} is not a multiple of the group size {group}")
+  g = w.astype(np.float32).reshape(out_dim, in_dim // group, group)
+  scale = np.abs(g).max(-1) / 7.5
+  safe = np.where(scale == 0, 1.0, scale)
+  q = np.clip(np.round(g / safe[..., None]), -8, 7).reshape(out_dim, in_dim)
+  return pack(q), scale.astype(np.float32)
