@@ -176,8 +176,8 @@ def load(path: str, shardings: Any = None, **overrides: Any):
       if value.shape != (cfg.n_routed_experts, 2 * f, cfg.hidden_size):
         raise CheckpointError(f"tensor {name!r} has shape {value.shape}, config expects "
                               f"{(cfg.n_routed_experts, 2 * f, cfg.hidden_size)}")
-      place_leaf(key + ("gate_proj",), np.swapaxes(value[:, :f], 1, 2), name)
-      place_leaf(key + ("up_proj",), np.swapaxes(value[:, f:], 1, 2), name)
+      place_leaf(key + ("gate_proj",), np.swapaxes(value[:, :f], 1, 2), name, value.shape)
+      place_leaf(key + ("up_proj",), np.swapaxes(value[:, f:], 1, 2), name, value.shape)
       return
     heads = cfg.num_attention_heads
     if kind in ("t_heads_out", "t_heads_in") and value.ndim == 2:
@@ -200,14 +200,14 @@ def load(path: str, shardings: Any = None, **overrides: Any):
       if len(filled[key]) == full[0]:
         finish(key, stacked.pop(key))
       return
-    place_leaf(key, _transform(kind, value, heads), name)
+    place_leaf(key, _transform(kind, value, heads), name, value.shape)
 
-  def place_leaf(key: tuple, value: np.ndarray, name: str):
+  def place_leaf(key: tuple, value: np.ndarray, name: str, checkpoint_shape: tuple):
     if key not in expected:
       raise CheckpointError(f"tensor {name!r} has no place in a model with this config")
     if tuple(value.shape) != expected[key]:
-      raise CheckpointError(f"tensor {name!r} maps to {'/'.join(key)} of shape {expected[key]}, "
-                            f"but the checkpoint's has shape {tuple(value.shape)} after conversion")
+      raise CheckpointError(f"tensor {name!r} has shape {tuple(checkpoint_shape)}, which does not fit "
+                            f"{'/'.join(key)} of shape {expected[key]} under this config")
     if key in out:
       raise CheckpointError(f"tensor {name!r} duplicates {source_of[key]!r}")
     source_of[key] = name

@@ -51,6 +51,10 @@ class SafetensorsFile:
     if end - begin != expected:
       raise ValueError(f"{self.path}: tensor {name!r} has {end - begin} bytes, its shape "
                        f"{info['shape']} and dtype {info['dtype']} need {expected}")
+    size = 0 if self._map is None else len(self._map)
+    if self._data_start + end > size:
+      raise ValueError(f"{self.path} is truncated: tensor {name!r} ends at byte {self._data_start + end}, "
+                       f"the file has {size} bytes")
     raw = self._map[self._data_start + begin:self._data_start + end]
     return np.frombuffer(raw, dtype=dtype).reshape(info["shape"])
 

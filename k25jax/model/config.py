@@ -16,6 +16,8 @@ import math
 from typing import Any
 
 MOE_IMPLS = ("dense", "ragged", "ragged_dot", "pallas")
+# Fields of ours that never come from a Hugging Face config.json (whose `dtype` is torch's).
+OURS = ("moe_impl", "moe_block_size", "dtype", "param_dtype")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -152,15 +154,14 @@ class ModelConfig:
       scaling = {k: v for k, v in rope.items() if k != "type"}
       scaling["rope_type"] = kind
     fields = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {k: v for k, v in hf.items() if k in fields and k not in ("rope_scaling", "rope_theta")}
-    if kwargs.get("q_lora_rank", 0) is None:
-      kwargs["q_lora_rank"] = None
+    kwargs = {k: v for k, v in hf.items()
+              if k in fields and k not in OURS + ("rope_scaling", "rope_theta")}
     return cls(**kwargs, rope_theta=float(theta), rope_scaling=scaling, **ours)
 
   def to_hf_dict(self) -> dict:
     """The `config.json` dict that transformers' `DeepseekV3Config` loads."""
-    ours = {"moe_impl", "moe_block_size", "dtype", "param_dtype", "rope_scaling", "rope_theta"}
-    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ours}
+    skip = OURS + ("rope_scaling", "rope_theta")
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
     rope = {"rope_type": "default", "rope_theta": self.rope_theta}
     if self.rope_scaling is not None:
       rope = {k: v for k, v in self.rope_scaling.items() if k != "type"}
