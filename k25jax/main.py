@@ -1,0 +1,49 @@
+"""Entry point: `python -m k25jax.main --config=configs/<stage>.py[:preset] [--workdir=DIR]`.
+
+Any config field can be overridden (`--config.optimizer.lr=1e-3`); unknown fields fail.
+Multi-process runs (several hosts, or several processes on one host) call
+`jax.distributed.initialize` first: pass --coordinator_address/--num_processes/--process_id,
+or set JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID, or run under a cluster
+jax detects itself (SLURM, Open MPI, TPU pods) with --distributed.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import jax
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<stage>.py[:preset]", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints and TensorBoard logs; default runs/<stage>.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes (multi-process).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (multi-process).")
+_DISTRIBUTED = flags.DEFINE_bool("distributed", False,
+                                 "Call jax.distributed.initialize() and let jax detect the cluster.")
+
+
+def multi_process_requested() -> bool:
+  """True when flags or the environment ask for more than one process."""
+  return bool(_DISTRIBUTED.value or _COORDINATOR.value or (_NUM_PROCESSES.value or 1) > 1
+              or os.environ.get("JAX_COORDINATOR_ADDRESS"))
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  config = _CONFIG.value
+  if config is None:
+    raise app.UsageError("--config=configs/<stage>.py[:preset] is required")
+  if multi_process_requested():
+    jax.distributed.initialize(coordinator_address=_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
+                               process_id=_PROCESS_ID.value)
+  logging.info("process %d of %d, %d devices: %s", jax.process_index(), jax.process_count(),
+               jax.device_count(), jax.devices()[0].platform)
+  stage = importlib.import_module(f"k25jax.stages.{config.stage}")
+  stage.run(config, _WORKDIR.value or os.path.join("runs", config.stage))
+
+
+if __name__ == "__main__":
+  app.run(main)

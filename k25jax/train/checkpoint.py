@@ -1,0 +1,74 @@
+"""Checkpoints with Orbax: the train state (params, optimizer state, step, rng,
+counters) and the grain iterator state, saved together under `workdir/checkpoints/<step>`.
+
+Restoring takes the latest step; if it cannot be read (a corrupt or truncated
+checkpoint) the previous one is tried, with a warning, and so on.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+
+
+def ensure_writable(workdir: str) -> None:
+  """Creates `workdir` and writes a probe file, or raises a PermissionError saying why."""
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write_probe"):
+      pass
+  except OSError as e:
+    raise PermissionError(f"workdir {workdir!r} is not writable ({e.strerror or e}); "
+                          "pass --workdir=<a directory you can write>") from e
+
+
+class Checkpoints:
+  """Save / restore (state, data iterator) pairs under `workdir/checkpoints`."""
+
+  def __init__(self, workdir: str, keep: int):
+    ensure_writable(workdir)
+    self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    self.manager = ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        item_names=("state", "data"))
+
+  def save(self, step: int, state, data_iterator: grain.DatasetIterator) -> None:
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iterator)),
+        force=True)
+
+  def restore_latest(self, target, data_iterator: grain.DatasetIterator):
+    """The newest readable state (shaped and sharded like `target`, a tree of
+    `jax.ShapeDtypeStruct` with shardings) with `data_iterator` set to its position,
+    or None when there is no checkpoint. Raises if checkpoints exist but none is readable."""
+    self.manager.reload()
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    for step in steps:
+      try:
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target),
+            data=grain.checkpoint.CheckpointRestore(data_iterator)))
+      except Exception as e:  # pylint: disable=broad-except  (any unreadable checkpoint)
+        logging.warning("checkpoint %d in %s is unreadable (%s: %s); falling back to the previous one",
+                        step, self.directory, type(e).__name__, str(e)[:300])
+        continue
+      logging.info("restored checkpoint %d from %s", step, self.directory)
+      return restored["state"]
+    if steps:
+      raise RuntimeError(f"no readable checkpoint in {self.directory} (tried steps {steps}); "
+                         "move the directory away to start afresh")
+    return None
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def abstract_target(unboxed_abstract, shardings):
+  """ShapeDtypeStructs with shardings: what `restore_latest` restores into."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      unboxed_abstract, shardings)

@@ -1,0 +1,89 @@
+"""The generic training loop: step, log, evaluate, checkpoint.
+
+Progress lines give step, loss, tokens/s and ETA; every logged scalar also goes to
+TensorBoard (`workdir/tensorboard`, written by process 0 only).
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Iterable
+
+import jax
+import numpy as np
+from absl import logging
+from tensorboardX import SummaryWriter
+
+
+class MetricWriter:
+  """TensorBoard scalars, from process 0 only."""
+
+  def __init__(self, workdir: str):
+    self.writer = SummaryWriter(os.path.join(workdir, "tensorboard")) if jax.process_index() == 0 else None
+
+  def write(self, step: int, scalars: dict, prefix: str) -> None:
+    if self.writer is None:
+      return
+    for name, value in scalars.items():
+      self.writer.add_scalar(f"{prefix}/{name}", float(value), step)
+    self.writer.flush()
+
+  def close(self) -> None:
+    if self.writer is not None:
+      self.writer.close()
+
+
+class Progress:
+  """Throughput and ETA between consecutive log lines."""
+
+  def __init__(self, total_steps: int, tokens_per_step: int, step: int):
+    self.total, self.tokens_per_step = total_steps, tokens_per_step
+    self.last_step, self.last_time = step, time.perf_counter()
+
+  def line(self, step: int, metrics: dict) -> str:
+    now = time.perf_counter()
+    per_step = (now - self.last_time) / max(step - self.last_step, 1)
+    self.last_step, self.last_time = step, now
+    eta = per_step * (self.total - step)
+    return (f"step {step}/{self.total}  loss {metrics['loss']:.4f}  "
+            f"tokens/s {self.tokens_per_step / per_step:,.0f}  ETA {eta / 60:.1f} min  "
+            f"skipped {int(metrics.get('skipped_steps', 0))}")
+
+
+def evaluate(eval_step: Callable, state, batches: Iterable[dict]) -> dict:
+  """Token-weighted means of `eval_step`'s metrics over `batches` (`tokens` is summed)."""
+  totals, tokens = {}, 0.0
+  for batch in batches:
+    metrics = jax.device_get(eval_step(state, batch))
+    n = float(metrics["tokens"])
+    tokens += n
+    for name, value in metrics.items():
+      totals[name] = totals.get(name, 0.0) + float(value) * n
+  return {name: (tokens if name == "tokens" else value / max(tokens, 1.0)) for name, value in totals.items()}
+
+
+def train(state, *, train_step: Callable, next_batch: Callable[[], dict], total_steps: int,
+          tokens_per_step: int, log_every: int, eval_every: int, checkpoint_every: int,
+          evaluate_fn: Callable, save_fn: Callable, writer: MetricWriter):
+  """Runs `train_step` from `state.step` to `total_steps`. Returns (state, history), history
+  a list of {"step", "split", **metrics} for every logged train step and evaluation."""
+  step = int(jax.device_get(state.step))
+  progress = Progress(total_steps, tokens_per_step, step)
+  history = []
+  while step < total_steps:
+    state, metrics = train_step(state, next_batch())
+    step += 1
+    if step % log_every == 0 or step == total_steps or step == 1:
+      metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      logging.info("%s", progress.line(step, metrics))
+      writer.write(step, metrics, "train")
+      history.append({"step": step, "split": "train", **metrics})
+    if step % eval_every == 0 or step == total_steps:
+      metrics = evaluate_fn(state)
+      logging.info("eval at step %d: loss %.4f  accuracy %.3f", step, metrics["loss"],
+                   metrics.get("accuracy", np.nan))
+      writer.write(step, metrics, "eval")
+      history.append({"step": step, "split": "eval", **metrics})
+    if step % checkpoint_every == 0 or step == total_steps:
+      save_fn(step, state)
+  return state, history

@@ -1,0 +1,61 @@
+"""Optimizers and the warmup–stable–decay (WSD) learning-rate schedule.
+
+The router bias (`e_score_correction_bias`) lives in the params but is a buffer the
+train step sets (auxiliary-loss-free balancing): the optimizer leaves it untouched,
+weight decay included.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from k25jax.model.moe import ROUTER_BIAS
+
+OPTIMIZERS = ("adamw",)
+
+
+def wsd_schedule(lr: float, total_steps: int, warmup_steps: int, decay_steps: int,
+                 final_lr_ratio: float) -> optax.Schedule:
+  """Warmup–stable–decay:
+
+      η(t) = lr · t / warmup                                   t < warmup
+           = lr                                                warmup ≤ t < T − decay
+           = lr · (r + (1 − r) · ½(1 + cos(π (t − T + decay) / decay)))   after,
+
+  T = total_steps, r = final_lr_ratio.
+  """
+  if warmup_steps + decay_steps > total_steps:
+    raise ValueError(f"optimizer: warmup_steps ({warmup_steps}) + decay_steps ({decay_steps}) "
+                     f"exceed train.steps ({total_steps})")
+  warmup = optax.linear_schedule(0.0, lr, max(warmup_steps, 1))
+  stable = optax.constant_schedule(lr)
+  decay = optax.cosine_decay_schedule(lr, max(decay_steps, 1), alpha=final_lr_ratio)
+  return optax.join_schedules([warmup, stable, decay], [warmup_steps, total_steps - decay_steps])
+
+
+def is_router_bias(path) -> bool:
+  return any(getattr(key, "key", None) == ROUTER_BIAS for key in path)
+
+
+def labels(params):
+  """'frozen' for the router biases, 'train' for every other leaf."""
+  return jax.tree_util.tree_map_with_path(lambda path, _: "frozen" if is_router_bias(path) else "train",
+                                          params)
+
+
+def decay_mask(params):
+  """Weight decay on matrices (kernels, embeddings, experts), not on norms or vectors."""
+  return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+
+
+def make_optimizer(opt, total_steps: int) -> optax.GradientTransformation:
+  """The optimizer named by `opt.name`, with the WSD schedule and global-norm clipping."""
+  if opt.name not in OPTIMIZERS:
+    raise ValueError(f"optimizer.name={opt.name!r}; available: {OPTIMIZERS}")
+  schedule = wsd_schedule(opt.lr, total_steps, opt.warmup_steps, opt.decay_steps, opt.final_lr_ratio)
+  adamw = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
+                      mask=decay_mask)
+  return optax.chain(
+      optax.clip_by_global_norm(opt.grad_clip),
+      optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels))

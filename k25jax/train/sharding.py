@@ -1,0 +1,111 @@
+"""The device mesh, the logical-axis rules, and shardings of params, state and batches.
+
+Mesh axes (outermost first): `data` (pure data parallel), `fsdp` (data parallel with
+params and optimizer state sharded), `expert` (routed experts split across devices,
+the batch too), `sequence` (activations split along the sequence) and `tensor`
+(heads, MLP and vocab split; innermost, so it gets the fastest links).
+
+Every param and activation carries logical axis names (`nn.with_logical_partitioning`,
+`nn.with_logical_constraint`); `RULES` is the one table mapping them to mesh axes.
+A logical axis listed twice takes the first mesh axis that is still free in that array.
+"""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+AXES = ("data", "fsdp", "expert", "sequence", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")
+
+RULES = (
+    # ---- params
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("qk_head_dim", None),
+    ("kv_head_dim", None),
+    ("q_lora", None),
+    ("kv_lora", None),
+    ("exp", "expert"),
+    ("moe_mlp", "tensor"),
+    ("norm", None),
+    # ---- activations
+    ("activation_batch", BATCH_AXES),
+    ("activation_length", "sequence"),
+    ("activation_embed", None),
+    ("activation_heads", "tensor"),
+    ("activation_mlp", "tensor"),
+    ("activation_vocab", "tensor"),
+)
+
+
+def mesh_shape(sizes: dict[str, int], n_devices: int) -> tuple[int, ...]:
+  """Axis sizes in `AXES` order; one size of -1 takes the devices the others leave."""
+  unknown = set(sizes) - set(AXES)
+  if unknown:
+    raise ValueError(f"mesh: unknown axes {sorted(unknown)}; the axes are {AXES}")
+  shape = [int(sizes.get(name, 1)) for name in AXES]
+  free = [i for i, s in enumerate(shape) if s == -1]
+  if len(free) > 1 or any(s == 0 or s < -1 for s in shape):
+    raise ValueError(f"mesh {dict(zip(AXES, shape))}: sizes must be positive, at most one -1")
+  fixed = math.prod(s for s in shape if s != -1)
+  if free:
+    if n_devices % fixed:
+      raise ValueError(f"mesh {dict(zip(AXES, shape))}: the fixed axes ({fixed} devices) do not "
+                       f"divide the {n_devices} devices")
+    shape[free[0]] = n_devices // fixed
+  elif fixed != n_devices:
+    raise ValueError(f"mesh {dict(zip(AXES, shape))} needs {fixed} devices, "
+                     f"but {n_devices} are available")
+  return tuple(shape)
+
+
+def make_mesh(sizes: dict[str, int], devices=None) -> jax.sharding.Mesh:
+  """A mesh with Auto axes `AXES` over `devices` (default: all devices, all processes)."""
+  devices = jax.devices() if devices is None else list(devices)
+  shape = mesh_shape(dict(sizes), len(devices))
+  return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES),
+                       devices=devices)
+
+
+def is_spec(x) -> bool:
+  return isinstance(x, P)
+
+
+def mesh_specs(boxed_tree):
+  """Mesh PartitionSpecs for every array leaf of a tree with `nn.LogicallyPartitioned` boxes.
+
+  The result has the structure of the UNBOXED tree: a box's spec is repeated over the
+  leaves of its value (none for the `optax.MaskedNode` of a masked-out param); leaves
+  outside boxes (counters, rng) are replicated.
+  """
+  def spec(x):
+    if isinstance(x, nn.LogicallyPartitioned):
+      mesh_axes = nn.logical_to_mesh_axes(x.names, RULES)
+      return jax.tree.map(lambda _: mesh_axes, x.value)
+    return P()
+  return jax.tree.map(spec, boxed_tree, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+
+
+def logical_to_sharding(boxed_tree, mesh: jax.sharding.Mesh):
+  """NamedShardings over `mesh` of every array leaf (unboxed structure, see `mesh_specs`)."""
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec), mesh_specs(boxed_tree), is_leaf=is_spec)
+
+
+def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
+  """[batch, seq] arrays: batch over data/fsdp/expert, sequence over `sequence`."""
+  return NamedSharding(mesh, P(BATCH_AXES, "sequence"))
+
+
+def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+  """Global arrays from this process's rows (all rows when there is one process)."""
+  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local)

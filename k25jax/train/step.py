@@ -1,0 +1,86 @@
+"""The generic jitted train / eval step around a stage's loss.
+
+    (loss, aux), g = value_and_grad(loss_fn)(θ, batch, rng)
+    u, s'          = tx.update(g, s, θ);  θ' = θ + u
+    b'_l           = b_l + γ · sign(mean(load_l) − load_l)      per MoE layer l (router bias)
+    if loss or g is non-finite:  θ' = θ, s' = s, skipped += 1   (the step still advances)
+
+A stage supplies `loss_fn(params, batch, rng) -> (loss, (metrics, model_aux))`, with
+`model_aux` the model's aux dict (`expert_load` [moe_layers, E]).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from k25jax.model import moe
+from k25jax.train import sharding
+from k25jax.train.state import TrainState
+
+LossFn = Callable[[Any, dict, jax.Array], tuple[jax.Array, tuple[dict, dict]]]
+
+
+def update_router_biases(params, expert_load: jax.Array, gamma: float, first_moe_layer: int):
+  """Applies `moe.update_router_bias` to layers_{first_moe_layer + i} with load row i."""
+  params = dict(params)
+  for i in range(expert_load.shape[0]):
+    name = f"layers_{first_moe_layer + i}"
+    layer = dict(params[name])
+    mlp = dict(layer["mlp"])
+    gate = dict(mlp["gate"])
+    gate[moe.ROUTER_BIAS] = moe.update_router_bias(gate[moe.ROUTER_BIAS], expert_load[i], gamma)
+    mlp["gate"], layer["mlp"], params[name] = gate, mlp, layer
+  return params
+
+
+def all_finite(tree) -> jax.Array:
+  leaves = jax.tree.leaves(tree)
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, abstract_state: TrainState, *,
+                    router_gamma: float, first_moe_layer: int):
+  """`step(state, batch) -> (state, metrics)`, one `jax.jit` with shardings, state donated.
+
+  Call it under `jax.set_mesh(mesh)`; batch leaves are [batch, seq] arrays.
+  """
+  specs = sharding.mesh_specs(abstract_state)
+  batch_spec = P(sharding.BATCH_AXES, "sequence")
+
+  def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    rng, step_rng = jax.random.split(state.rng)
+    with nn.logical_axis_rules(sharding.RULES):
+      (loss, (metrics, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+          state.params, batch, step_rng)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    if aux["expert_load"].shape[0]:
+      params = update_router_biases(params, aux["expert_load"], router_gamma, first_moe_layer)
+    finite = jnp.logical_and(jnp.isfinite(loss), all_finite(grads))
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    skipped = state.skipped + jnp.where(finite, 0, 1).astype(jnp.int32)
+    new_state = state.replace(step=state.step + 1, params=keep(params, state.params),
+                              opt_state=keep(opt_state, state.opt_state), rng=rng, skipped=skipped)
+    metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads),
+                   finite=finite.astype(jnp.float32), skipped_steps=skipped)
+    return new_state, metrics
+
+  return jax.jit(step, in_shardings=(specs, batch_spec), out_shardings=(specs, P()),
+                 donate_argnums=0)
+
+
+def make_eval_step(loss_fn: LossFn, abstract_state: TrainState):
+  """`eval_step(state, batch) -> metrics` (the loss and the stage's metrics, no update)."""
+  specs = sharding.mesh_specs(abstract_state)
+
+  def eval_step(state: TrainState, batch: dict) -> dict:
+    with nn.logical_axis_rules(sharding.RULES):
+      loss, (metrics, _) = loss_fn(state.params, batch, state.rng)
+    return dict(metrics, loss=loss)
+
+  return jax.jit(eval_step, in_shardings=(specs, P(sharding.BATCH_AXES, "sequence")), out_shardings=P())
