@@ -105,3 +105,11 @@ def test_k25_multimodal_prefixes_and_vision_tensors_skipped(tmp_path):
   _write_state_dict(tmp_path, state, {"model_type": "kimi_k25", "text_config": hf_cfg.to_dict()})
   tokens = _tokens(hf_cfg.vocab_size, seed=2)
   np.testing.assert_allclose(_ours(str(tmp_path), tokens), hf_logits(model, tokens), atol=TOL, rtol=0)
+
+
+def test_long_sequence_takes_the_chunked_attention_path(tmp_path):
+  hf_cfg = tiny_hf_config()
+  model = random_hf_model(hf_cfg, seed=4)
+  model.save_pretrained(str(tmp_path))
+  tokens = _tokens(hf_cfg.vocab_size, seed=4, shape=(1, 256))   # 2 query chunks of 128
+  np.testing.assert_allclose(_ours(str(tmp_path), tokens), hf_logits(model, tokens), atol=TOL, rtol=0)

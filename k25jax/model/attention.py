@@ -31,13 +31,36 @@ def softmax_scale(cfg: ModelConfig) -> float:
   return cfg.qk_head_dim ** -0.5 * yarn_attention_mscale(cfg) ** 2
 
 
-def attention_mask(seq_len: int, segment_ids: jax.Array | None) -> jax.Array:
-  """Causal ∧ same-segment mask, [batch or 1, 1, q, k] bool."""
-  causal = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))[None, None]
-  if segment_ids is None:
-    return causal
-  same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-  return causal & same
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
+                     segment_ids: jax.Array | None = None, chunk: int = 128
+                     ) -> tuple[jax.Array, jax.Array]:
+  """softmax(scale·q·kᵀ + mask)·v with causal ∧ same-segment mask, and per-head max logits.
+
+  q, k: [b, s, h, d_qk]; v: [b, s, h, d_v]; segment_ids: [b, s], 0 = padding (padding
+  queries are left out of the max). Queries are processed in chunks of `chunk` rows that
+  only see their causal prefix of keys, so the masked upper triangle is mostly skipped.
+  Returns (out [b, s, h, d_v], max_logits [h] float32).
+  """
+  seq = q.shape[1]
+  chunk = chunk if seq % chunk == 0 else seq
+  outs, row_maxes = [], []
+  for start in range(0, seq, chunk):
+    stop = start + chunk
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q[:, start:stop], k[:, :stop],
+                        preferred_element_type=jnp.float32) * scale
+    mask = (jnp.arange(start, stop)[:, None] >= jnp.arange(stop)[None, :])[None, None]
+    if segment_ids is not None:
+      mask = mask & (segment_ids[:, None, start:stop, None] == segment_ids[:, None, None, :stop])
+    logits = jnp.where(mask, logits, -jnp.inf)
+    row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))      # [b, h, q, 1]
+    probs = jnp.exp(logits - row_max)
+    probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+    outs.append(jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v[:, :stop]))
+    row_maxes.append(row_max[..., 0])
+  row_max = jnp.concatenate(row_maxes, axis=2)                                      # [b, h, s]
+  if segment_ids is not None:
+    row_max = jnp.where(segment_ids[:, None, :] > 0, row_max, -jnp.inf)
+  return jnp.concatenate(outs, axis=1), jnp.max(row_max, axis=(0, 2))
 
 
 class MLA(nn.Module):
@@ -66,15 +89,15 @@ class MLA(nn.Module):
     self.inv_freq, self.rope_scale = rope.inverse_frequencies(
         cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
 
-  def queries(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(q_nope [b, s, h, nope], rotated q_rope [b, s, h, rope])."""
+  def queries(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """q [b, s, h, nope + rope] with the rope channels rotated."""
     cfg = self.cfg
     if cfg.q_lora_rank:
       q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
     else:
       q = self.q_proj(x)
     q_nope, q_rope = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
-    return q_nope, rope.apply_rope(q_rope, positions, self.inv_freq, self.rope_scale)
+    return jnp.concatenate([q_nope, rope.apply_rope(q_rope, positions, self.inv_freq, self.rope_scale)], axis=-1)
 
   def latents(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """What the decode cache keeps: (normed latent [b, s, kv_lora], rotated k_rope [b, s, rope])."""
@@ -88,21 +111,13 @@ class MLA(nn.Module):
                ) -> tuple[jax.Array, jax.Array]:
     """x: [batch, seq, hidden] → (output [batch, seq, hidden], max_logits [heads] float32)."""
     cfg = self.cfg
-    q_nope, q_rope = self.queries(x, positions)
+    q = self.queries(x, positions)
     latent, k_rope = self.latents(x, positions)
-    kv = self.kv_b_proj(latent)
-    k_nope, v = jnp.split(kv, [cfg.qk_nope_head_dim], axis=-1)
-    q_nope = nn.with_logical_constraint(q_nope, ("activation_batch", "activation_length", "activation_heads", None))
-    k_nope = nn.with_logical_constraint(k_nope, ("activation_batch", "activation_length", "activation_heads", None))
-
-    logits = (jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=jnp.float32)
-              + jnp.einsum("bqhr,bkr->bhqk", q_rope, k_rope, preferred_element_type=jnp.float32))
-    logits = logits * softmax_scale(cfg)
-    mask = attention_mask(x.shape[1], segment_ids)
-    masked = jnp.where(mask, logits, -jnp.inf)
-    valid = mask if segment_ids is None else mask & (segment_ids[:, None, :, None] > 0)
-    max_logits = jnp.max(jnp.where(valid, logits, -jnp.inf), axis=(0, 2, 3))
-    probs = jax.nn.softmax(masked, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    k_nope, v = jnp.split(self.kv_b_proj(latent), [cfg.qk_nope_head_dim], axis=-1)
+    k_rope = jnp.broadcast_to(k_rope[:, :, None], (*k_nope.shape[:3], cfg.qk_rope_head_dim))
+    k = jnp.concatenate([k_nope, k_rope], axis=-1)
+    q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", None))
+    k = nn.with_logical_constraint(k, ("activation_batch", "activation_length", "activation_heads", None))
+    out, max_logits = causal_attention(q, k, v, softmax_scale(cfg), segment_ids)
     out = nn.with_logical_constraint(out, ("activation_batch", "activation_length", "activation_heads", None))
     return self.o_proj(out), jax.lax.stop_gradient(max_logits)
