@@ -29,7 +29,7 @@ def get_config(arg=None):
 
   c.optimizer = ml_collections.ConfigDict(dict(
       name="adamw",
-      lr=3e-3 if tiny else 1e-3,
+      lr=1e-3 if tiny else 6e-4,
       warmup_steps=20 if tiny else 500,     # warmup → stable → cosine decay (WSD)
       decay_steps=100 if tiny else 4000,
       final_lr_ratio=0.1,

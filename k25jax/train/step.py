@@ -66,7 +66,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, abstract_
     skipped = state.skipped + jnp.where(finite, 0, 1).astype(jnp.int32)
     new_state = state.replace(step=state.step + 1, params=keep(params, state.params),
                               opt_state=keep(opt_state, state.opt_state), rng=rng, skipped=skipped)
-    metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads),
+    metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
                    finite=finite.astype(jnp.float32), skipped_steps=skipped)
     return new_state, metrics
 

@@ -1,0 +1,94 @@
+"""End-to-end pretrain runs: loss falls, logs and checkpoints appear, resume is exact,
+a corrupt latest checkpoint falls back to the previous one, an unwritable workdir fails clearly."""
+import glob
+import logging
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from k25jax.data import tokenizer
+from k25jax.model import transformer
+from k25jax.stages import pretrain
+from k25jax.train import checkpoint, config_utils, optimizer, sharding
+from test_train_step import micro_config
+
+STEPS, EVERY = 60, 20
+
+
+def config_for_e2e():
+  config = micro_config()
+  config.train.update(steps=STEPS, batch=8, seq_len=32, log_every=10, eval_every=30, eval_batches=2,
+                      checkpoint_every=EVERY, keep_checkpoints=5)
+  config.optimizer.update(warmup_steps=5, decay_steps=20)
+  config.mesh.update(data=2, fsdp=4)               # the 8 test devices
+  return config
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("pretrain"))
+  state, history = pretrain.run(config_for_e2e(), workdir)
+  return workdir, jax.device_get(state), history
+
+
+@pytest.mark.slow
+def test_loss_falls_and_artifacts_appear(full_run):
+  workdir, state, history = full_run
+  train = [h for h in history if h["split"] == "train"]
+  evals = [h for h in history if h["split"] == "eval"]
+  assert train[0]["step"] == 1 and int(state.step) == STEPS
+  assert train[0]["loss"] > 5.5                     # ≈ ln(512) at init
+  assert evals[-1]["loss"] < train[0]["loss"] - 2.0, (train[0]["loss"], evals[-1]["loss"])
+  assert glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == sorted(
+      str(s) for s in range(EVERY, STEPS + 1, EVERY))
+
+
+@pytest.mark.slow
+def test_resume_is_exact(full_run, tmp_path):
+  workdir, state, _ = full_run
+  resumed_dir = str(tmp_path / "resumed")
+  shutil.copytree(workdir, resumed_dir)
+  for step in range(2 * EVERY, STEPS + 1, EVERY):    # as if killed right after saving step 20
+    shutil.rmtree(os.path.join(resumed_dir, "checkpoints", str(step)))
+  resumed, history = pretrain.run(config_for_e2e(), resumed_dir)
+  assert history[0]["step"] > EVERY                  # it did not start over
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=1e-6),
+               resumed.params, state.params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=1e-6),
+               resumed.opt_state, state.opt_state)
+
+
+@pytest.mark.slow
+def test_corrupt_latest_checkpoint_falls_back(full_run, tmp_path, caplog):
+  workdir, _, _ = full_run
+  corrupt_dir = str(tmp_path / "corrupt")
+  shutil.copytree(workdir, corrupt_dir)
+  for path in glob.glob(os.path.join(corrupt_dir, "checkpoints", str(STEPS), "state", "**"), recursive=True):
+    if os.path.isfile(path):
+      with open(path, "wb") as f:
+        f.write(b"\x00garbage")
+  config = config_for_e2e()
+  model = transformer.Transformer(config_utils.model_config_from(config.model))
+  tx = optimizer.make_optimizer(config.optimizer, config.train.steps)
+  mesh = sharding.make_mesh(config.mesh.to_dict())
+  data, _ = pretrain.datasets(config, tokenizer.ByteTokenizer())
+  ckpt = checkpoint.Checkpoints(corrupt_dir, keep=5)
+  with jax.set_mesh(mesh), caplog.at_level(logging.WARNING):
+    _, target = pretrain.init_state(config, model, tx, mesh)
+    restored = ckpt.restore_latest(target, data)
+  ckpt.close()
+  assert int(restored.step) == STEPS - EVERY
+  assert any(f"checkpoint {STEPS}" in r.getMessage() and "falling back" in r.getMessage()
+             for r in caplog.records)
+  assert os.path.isdir(os.path.join(corrupt_dir, "checkpoints", str(STEPS)))   # nothing deleted
+
+
+def test_unwritable_workdir_is_a_clear_error(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("not a directory")
+  with pytest.raises(PermissionError, match="not writable"):
+    checkpoint.Checkpoints(str(blocker / "run"), keep=1)
