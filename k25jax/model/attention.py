@@ -1,4 +1,4 @@
-"""Multi-head Latent Attention (MLA), the training path.
+"""Multi-head Latent Attention (MLA): the training path and the latent-cache decode path.
 
 Per token x (DeepSeek-V2/V3, names as in the checkpoint):
 
@@ -11,6 +11,12 @@ Per token x (DeepSeek-V2/V3, names as in the checkpoint):
 with scale = qk_head_dim^-1/2 · m², m the YaRN mscale (1 without YaRN). The
 largest unmasked s_ij per head (`max_logits`, [heads]) is returned beside the
 output: QK-Clip reads it after each step.
+
+Decode caches only what kv_a produces — the normed latent c (512) and the rotated
+rope key (64): 576 numbers per token per layer for K2.5 — and absorbs kv_b into
+the query and the output (W_uk, W_uv are kv_b's k_nope and v slices):
+
+    s_ij = scale · ((W_uk q_nope,i)·c_j + q_rope,i·k_rope,j),   o_i = W_uvᵀ Σ_j p_ij c_j.
 """
 from __future__ import annotations
 
@@ -121,3 +127,40 @@ class MLA(nn.Module):
     out, max_logits = causal_attention(q, k, v, softmax_scale(cfg), segment_ids)
     out = nn.with_logical_constraint(out, ("activation_batch", "activation_length", "activation_heads", None))
     return self.o_proj(out), jax.lax.stop_gradient(max_logits)
+
+  def decode(self, x: jax.Array, positions: jax.Array, cache: dict
+             ) -> tuple[jax.Array, jax.Array, dict]:
+    """Attends over a latent cache; x: [b, t, hidden] at `positions` [b, t].
+
+    cache: {"latent": [b, S, kv_lora], "k_rope": [b, S, rope]}. The new tokens' latents
+    are written at slots `positions`; query (b, j) sees slots ≤ positions[b, j]
+    (earlier slots must hold that sequence's tokens). Returns (output, max_logits, cache).
+    """
+    cfg = self.cfg
+    q = self.queries(x, positions)
+    q_nope, q_rope = jnp.split(q, [cfg.qk_nope_head_dim], axis=-1)
+    latent, k_rope = self.latents(x, positions)
+    rows = jnp.arange(x.shape[0])[:, None]
+    cache = {"latent": cache["latent"].at[rows, positions].set(latent.astype(cache["latent"].dtype)),
+             "k_rope": cache["k_rope"].at[rows, positions].set(k_rope.astype(cache["k_rope"].dtype))}
+    w_kv = self.kv_b_proj.variables["params"]["kernel"].astype(q.dtype)     # [kv_lora, h, nope + v]
+    w_uk, w_uv = jnp.split(w_kv, [cfg.qk_nope_head_dim], axis=-1)
+    q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w_uk)
+    logits = (jnp.einsum("bthc,bsc->bhts", q_latent, cache["latent"].astype(q.dtype),
+                         preferred_element_type=jnp.float32)
+              + jnp.einsum("bthr,bsr->bhts", q_rope, cache["k_rope"].astype(q.dtype),
+                           preferred_element_type=jnp.float32)) * softmax_scale(cfg)
+    visible = jnp.arange(cache["latent"].shape[1])[None, None, None, :] <= positions[:, None, :, None]
+    logits = jnp.where(visible, logits, -jnp.inf)
+    max_logits = jnp.max(logits, axis=(0, 2, 3))
+    probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+    out_latent = jnp.einsum("bhts,bsc->bthc", probs, cache["latent"].astype(q.dtype))
+    out = jnp.einsum("bthc,chv->bthv", out_latent, w_uv)
+    return self.o_proj(out), max_logits, cache
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> list[dict]:
+  """An empty latent cache per layer: latent [b, S, kv_lora] and k_rope [b, S, rope]."""
+  return [{"latent": jnp.zeros((batch, max_len, cfg.kv_lora_rank), dtype),
+           "k_rope": jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dtype)}
+          for _ in range(cfg.num_hidden_layers)]

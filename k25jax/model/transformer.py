@@ -28,11 +28,15 @@ class DecoderLayer(nn.Module):
   moe: bool
 
   @nn.compact
-  def __call__(self, h, positions, segment_ids, token_mask):
+  def __call__(self, h, positions, segment_ids, token_mask, cache=None):
     cfg = self.cfg
     norm = dict(eps=cfg.rms_norm_eps, dtype=dtype_of(cfg.dtype), param_dtype=dtype_of(cfg.param_dtype))
-    attn_out, max_logits = MLA(cfg, name="self_attn")(
-        RMSNorm(cfg.hidden_size, name="input_layernorm", **norm)(h), positions, segment_ids)
+    attn = MLA(cfg, name="self_attn")
+    normed = RMSNorm(cfg.hidden_size, name="input_layernorm", **norm)(h)
+    if cache is None:
+      attn_out, max_logits = attn(normed, positions, segment_ids)
+    else:
+      attn_out, max_logits, cache = attn.decode(normed, positions, cache)
     h = nn.with_logical_constraint(h + attn_out, ACTIVATION)
     x = RMSNorm(cfg.hidden_size, name="post_attention_layernorm", **norm)(h)
     if self.moe:
@@ -41,7 +45,7 @@ class DecoderLayer(nn.Module):
       ffn_out, moe_aux = MLP(cfg.hidden_size, cfg.intermediate_size, std=cfg.initializer_range,
                              dtype=dtype_of(cfg.dtype), param_dtype=dtype_of(cfg.param_dtype),
                              name="mlp")(x), None
-    return nn.with_logical_constraint(h + ffn_out, ACTIVATION), max_logits, moe_aux
+    return nn.with_logical_constraint(h + ffn_out, ACTIVATION), max_logits, moe_aux, cache
 
 
 class Transformer(nn.Module):
@@ -51,8 +55,14 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-               segment_ids: jax.Array | None = None, *, return_hidden: bool = False):
-    """tokens: int32 [batch, seq]; positions default to 0..seq-1; segment_ids: 0 = padding."""
+               segment_ids: jax.Array | None = None, *, cache: list[dict] | None = None,
+               return_hidden: bool = False):
+    """tokens: int32 [batch, seq]; positions default to 0..seq-1; segment_ids: 0 = padding.
+
+    With `cache` (from `attention.init_cache`), runs the latent-cache decode path: the
+    tokens are written at slots `positions` and attend to slots ≤ their position;
+    aux["cache"] holds the updated cache.
+    """
     cfg = self.cfg
     if tokens.ndim != 2:
       raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
@@ -65,11 +75,12 @@ class Transformer(nn.Module):
                      embedding_init=nn.with_logical_partitioning(normal_init(cfg.initializer_range),
                                                                  ("vocab", "embed")))
     h = nn.with_logical_constraint(embed(tokens), ACTIVATION)
-    max_logits, loads, balance = [], [], []
+    max_logits, loads, balance, new_cache = [], [], [], []
     for i in range(cfg.num_hidden_layers):
-      h, layer_max, moe_aux = DecoderLayer(cfg, cfg.is_moe_layer(i), name=f"layers_{i}")(
-          h, positions, segment_ids, token_mask)
+      h, layer_max, moe_aux, layer_cache = DecoderLayer(cfg, cfg.is_moe_layer(i), name=f"layers_{i}")(
+          h, positions, segment_ids, token_mask, None if cache is None else cache[i])
       max_logits.append(layer_max)
+      new_cache.append(layer_cache)
       if moe_aux is not None:
         loads.append(moe_aux["load"])
         balance.append(moe_aux["balance_loss"])
@@ -89,6 +100,8 @@ class Transformer(nn.Module):
         "expert_load": jnp.stack(loads) if loads else jnp.zeros((0, cfg.n_routed_experts)),
         "balance_loss": jnp.mean(jnp.stack(balance)) if balance else jnp.zeros(()),
     }
+    if cache is not None:
+      aux["cache"] = new_cache
     if return_hidden:
       aux["hidden"] = h
     return logits, aux
