@@ -24,10 +24,17 @@ _DISTRIBUTED = flags.DEFINE_bool("distributed", False,
                                  "Call jax.distributed.initialize() and let jax detect the cluster.")
 
 
-def multi_process_requested() -> bool:
-  """True when flags or the environment ask for more than one process."""
-  return bool(_DISTRIBUTED.value or _COORDINATOR.value or (_NUM_PROCESSES.value or 1) > 1
-              or os.environ.get("JAX_COORDINATOR_ADDRESS"))
+def distributed_args() -> dict | None:
+  """jax.distributed.initialize arguments from the flags, else the JAX_* environment;
+  None for a single-process run."""
+  env = lambda name: os.environ.get(name) or None
+  address = _COORDINATOR.value or env("JAX_COORDINATOR_ADDRESS")
+  num = _NUM_PROCESSES.value if _NUM_PROCESSES.value is not None else env("JAX_NUM_PROCESSES")
+  pid = _PROCESS_ID.value if _PROCESS_ID.value is not None else env("JAX_PROCESS_ID")
+  num, pid = (None if num is None else int(num)), (None if pid is None else int(pid))
+  if not (_DISTRIBUTED.value or address or (num or 1) > 1):
+    return None
+  return dict(coordinator_address=address, num_processes=num, process_id=pid)
 
 
 def main(argv):
@@ -36,9 +43,9 @@ def main(argv):
   config = _CONFIG.value
   if config is None:
     raise app.UsageError("--config=configs/<stage>.py[:preset] is required")
-  if multi_process_requested():
-    jax.distributed.initialize(coordinator_address=_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
-                               process_id=_PROCESS_ID.value)
+  distributed = distributed_args()
+  if distributed is not None:
+    jax.distributed.initialize(**distributed)
   logging.info("process %d of %d, %d devices: %s", jax.process_index(), jax.process_count(),
                jax.device_count(), jax.devices()[0].platform)
   stage = importlib.import_module(f"k25jax.stages.{config.stage}")

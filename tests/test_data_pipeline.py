@@ -20,7 +20,7 @@ def test_packing_invariants():
       np.testing.assert_array_equal(batch["loss_mask"][row], (seg > 0).astype(np.float32))
       ids = seg[seg > 0]
       assert ids[0] == 1 and np.all(np.diff(ids) >= 0) and np.all(np.diff(ids) <= 1)
-      assert np.all(seg[np.argmax(seg == 0):] == 0) if (seg == 0).any() else True  # padding at the end
+      assert np.all(seg[len(ids):] == 0)                        # padding only at the end
       for s in np.unique(ids):
         where = np.flatnonzero(seg == s)
         np.testing.assert_array_equal(pos[where], np.arange(len(where)))
@@ -72,4 +72,4 @@ def test_stdlib_source_is_offline_and_split():
   docs = sources.load("python_stdlib", 500)
   assert len(docs) > 1000 and max(len(d) for d in docs) <= 500
   train, held_out = sources.split(docs, 50)
-  assert len(held_out) == -(-len(docs) // 50) and not set(held_out) & set(train[:1000])
+  assert len(held_out) == -(-len(docs) // 50) and len(train) + len(held_out) == len(docs)

@@ -25,8 +25,7 @@ def write_vocab(path, merges):
 def test_bpe_merges_lowest_rank_pair_first(tmp_path):
   ranks = write_vocab(tmp_path / "v.tiktoken", ["bc", "ab", "abc", "bcd"])
   tok = tokenizer.TiktokenTokenizer(str(tmp_path / "v.tiktoken"))
-  # "abcd": pairs ab(257) bc(256) cd(-) → merge bc → a|bc|d; then bcd(259) < abc(258)? no: abc=258
-  # is the lower rank, so a+bc → abc, leaving abc|d (abcd is not a token).
+  # "abcd": pairs ab(257) bc(256) → a|bc|d; then abc(258) beats bcd(259) → abc|d.
   assert tok.encode("abcd") == [ranks[b"abc"], ranks[b"d"]]
   assert tok.encode("xbcd") == [ranks[b"x"], ranks[b"bcd"]]
   assert tok.decode(tok.encode("abcd xbcd!\n")) == "abcd xbcd!\n"

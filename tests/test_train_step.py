@@ -1,5 +1,6 @@
 """The jitted train step: non-finite guard, router-bias update, optimizer masking, schedule."""
 import importlib.util
+import os
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,8 @@ MICRO = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermed
 
 
 def micro_config():
-  spec = importlib.util.spec_from_file_location("pretrain_config", "configs/pretrain.py")
+  spec = importlib.util.spec_from_file_location(
+      "pretrain_config", os.path.join(os.path.dirname(__file__), "..", "configs", "pretrain.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   config = module.get_config("tiny")

@@ -1,7 +1,8 @@
 """Tokenizers that need no download: raw bytes, and byte-pair encoding from a local
 tiktoken-format vocabulary (the format of Kimi's `tiktoken.model`).
 
-Ids 0 = padding (never a target: packing masks it), then BOS and EOS.
+Packed rows pad with id 0 (`PAD_ID`); padding is never a target (the loss mask is 0
+there), so with a BPE vocabulary id 0 may double as a real token.
 """
 from __future__ import annotations
 

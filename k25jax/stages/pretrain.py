@@ -50,7 +50,8 @@ def make_eval_step(config: ml_collections.ConfigDict, model: transformer.Transfo
 
 
 def init_state(config, model: transformer.Transformer, tx, mesh):
-  """A fresh state, created directly with its shardings. Returns (state, abstract target)."""
+  """Returns (create, target): `create()` makes a fresh state directly with its shardings
+  (no full copy on one device); `target` is its shape and shardings, to restore into."""
   abstract = state_lib.abstract(transformer.abstract_params(model.cfg), tx)
   shardings = sharding.logical_to_sharding(abstract, mesh)
   param_rng, state_rng = jax.random.split(jax.random.PRNGKey(config.train.seed))

@@ -1,0 +1,40 @@
+"""`python -m k25jax.main`: flags, overrides and the errors a user meets first."""
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+MICRO = ["--config.model.num_hidden_layers=2", "--config.model.vocab_size=512", "--config.model.hidden_size=64",
+         "--config.model.num_attention_heads=2", "--config.model.n_routed_experts=4",
+         "--config.model.num_experts_per_tok=2", "--config.train.seq_len=16", "--config.train.steps=2",
+         "--config.optimizer.warmup_steps=1", "--config.optimizer.decay_steps=1", "--config.train.eval_batches=1"]
+
+
+def main(*flags, devices=1):
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "k25jax.main", "--config=configs/pretrain.py", *flags],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_unknown_config_field_fails_naming_it():
+  result = main("--config.train.bogus_field=1")
+  assert result.returncode != 0
+  assert "bogus_field" in result.stderr
+
+
+def test_mesh_that_does_not_fit_the_devices_fails_clearly(tmp_path):
+  result = main("--config.mesh.data=3", f"--workdir={tmp_path}", devices=2)
+  assert result.returncode != 0
+  assert "needs 3 devices, but 2 are available" in result.stderr
+
+
+@pytest.mark.slow
+def test_overrides_reach_the_run_and_it_writes_logs_and_checkpoints(tmp_path):
+  result = main(*MICRO, f"--workdir={tmp_path}", "--config.train.checkpoint_every=1", devices=2)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "step 2/2" in result.stderr and "'data': 2" in result.stderr
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
+  assert glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*"))
