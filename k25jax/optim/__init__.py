@@ -1,0 +1,1 @@
+"""Optimizers: MuonClip (Muon + QK-Clip for MLA, AdamW for the rest)."""
