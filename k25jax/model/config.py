@@ -63,6 +63,9 @@ class ModelConfig:
   def __post_init__(self):
     self.validate()
 
+  def __hash__(self):  # hashable despite the rope_scaling dict, so it can be a static jit argument
+    return hash(self.to_json())
+
   # ------------------------------------------------------------------ checks
   def validate(self) -> None:
     """Raises ValueError naming the first inconsistent field."""

@@ -1,0 +1,135 @@
+"""Batched generation on the MLA latent cache: jitted prefill, then a compiled decode loop.
+
+    out = sampler.generate(model_cfg, params, prompts, prompt_lengths, rng, SamplingConfig(...))
+    out["tokens"]   [b, max_new_tokens]  generated tokens, `pad_id` after a stop token
+    out["logprobs"] [b, max_new_tokens]  log π(token) under the sampling distribution (0 after stop)
+    out["lengths"]  [b]                  generated tokens per row, the stop token included
+
+Prompts are right-padded [b, P] with their true lengths; each row decodes at its own
+positions (row b's first new token sits at position prompt_lengths[b]), so rows of
+different lengths share one batch without left-padding. Only the latent and the rope
+key are cached (`attention.init_cache`).
+
+The recorded log-prob is log softmax(logits / T)[token] for temperature T > 0 (top-k /
+top-p truncation is a sampling device and is not renormalised into it), and
+log softmax(logits)[token] for greedy decoding (T = 0): the π_old of the RL loss.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k25jax.model import attention, transformer
+from k25jax.model.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  max_new_tokens: int
+  temperature: float = 1.0      # 0 = greedy
+  top_k: int = 0                # 0 = off
+  top_p: float = 1.0            # 1 = off
+  stop_tokens: tuple[int, ...] = ()
+  pad_id: int = 0
+
+  def __post_init__(self):
+    if self.max_new_tokens <= 0:
+      raise ValueError(f"SamplingConfig.max_new_tokens must be positive, got {self.max_new_tokens}")
+    if self.temperature < 0:
+      raise ValueError(f"SamplingConfig.temperature must be >= 0, got {self.temperature}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"SamplingConfig.top_p must lie in (0, 1], got {self.top_p}")
+    if self.top_k < 0:
+      raise ValueError(f"SamplingConfig.top_k must be >= 0, got {self.top_k}")
+
+
+def truncate_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
+  """Sets to −inf the logits outside the top-k, then outside the smallest top-p nucleus."""
+  if top_k:
+    kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  if top_p < 1.0:
+    sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    kept = jnp.where(mass_before < top_p, sorted_logits, jnp.inf)
+    threshold = jnp.min(kept, axis=-1, keepdims=True)
+    logits = jnp.where(logits < threshold, -jnp.inf, logits)
+  return logits
+
+
+def sample_token(logits: jax.Array, rng: jax.Array, sampling: SamplingConfig) -> tuple[jax.Array, jax.Array]:
+  """logits [b, vocab] → (token [b] int32, log-prob [b] float32)."""
+  logits = logits.astype(jnp.float32)
+  if sampling.temperature == 0:
+    token = jnp.argmax(logits, axis=-1)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+  else:
+    scaled = logits / sampling.temperature
+    token = jax.random.categorical(rng, truncate_logits(scaled, sampling.top_k, sampling.top_p), axis=-1)
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+  return token.astype(jnp.int32), jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+
+
+def check_lengths(cfg: ModelConfig, prompt_len: int, sampling: SamplingConfig) -> None:
+  total = prompt_len + sampling.max_new_tokens
+  if total > cfg.max_position_embeddings:
+    raise ValueError(f"prompt of {prompt_len} tokens + max_new_tokens={sampling.max_new_tokens} exceeds the "
+                     f"context of {cfg.max_position_embeddings} (max_position_embeddings)")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling"))
+def _generate(params, prompts, prompt_lengths, rng, *, cfg: ModelConfig, sampling: SamplingConfig):
+  model = transformer.Transformer(cfg)
+  batch, prompt_len = prompts.shape
+  n_new = sampling.max_new_tokens
+  cache = attention.init_cache(cfg, batch, prompt_len + n_new, jnp.dtype(cfg.dtype))
+  positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
+  logits, aux = model.apply({"params": params}, prompts, positions, cache=cache)
+  last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+  stop = jnp.asarray(sampling.stop_tokens or (-1,), jnp.int32)
+
+  def body(carry):
+    step, cache, last, tokens, logps, done, rng = carry
+    rng, key = jax.random.split(rng)
+    token, logp = sample_token(last, key, sampling)
+    token = jnp.where(done, sampling.pad_id, token)
+    tokens = tokens.at[:, step].set(token)
+    logps = logps.at[:, step].set(jnp.where(done, 0.0, logp))
+    done = done | jnp.isin(token, stop)
+    position = (prompt_lengths + step)[:, None]
+    logits, aux = model.apply({"params": params}, token[:, None], position, cache=cache)
+    return step + 1, aux["cache"], logits[:, 0], tokens, logps, done, rng
+
+  def cond(carry):
+    step, *_, done, _ = carry
+    return (step < n_new) & ~jnp.all(done)
+
+  init = (jnp.int32(0), aux["cache"], last, jnp.full((batch, n_new), sampling.pad_id, jnp.int32),
+          jnp.zeros((batch, n_new), jnp.float32), jnp.zeros((batch,), bool), rng)
+  _, _, _, tokens, logps, _, _ = jax.lax.while_loop(cond, body, init)
+  written = jnp.arange(n_new)[None, :]
+  is_stop = jnp.isin(tokens, stop)
+  first_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, n_new)
+  tokens = jnp.where(written < first_stop[:, None], tokens, sampling.pad_id)
+  return {"tokens": tokens, "logprobs": jnp.where(written < first_stop[:, None], logps, 0.0),
+          "lengths": first_stop.astype(jnp.int32)}
+
+
+def generate(cfg: ModelConfig, params, prompts, prompt_lengths, rng: jax.Array,
+             sampling: SamplingConfig) -> dict[str, jax.Array]:
+  """Samples up to `max_new_tokens` per row after right-padded `prompts` [b, P]."""
+  prompts = jnp.asarray(prompts, jnp.int32)
+  prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
+  if prompts.ndim != 2 or prompt_lengths.shape != prompts.shape[:1]:
+    raise ValueError(f"prompts must be [batch, P] with prompt_lengths [batch]; got {prompts.shape} "
+                     f"and {prompt_lengths.shape}")
+  lengths = np.asarray(prompt_lengths)
+  if lengths.min() < 1 or lengths.max() > prompts.shape[1]:
+    raise ValueError(f"prompt_lengths must lie in [1, {prompts.shape[1]}], got {lengths.tolist()}")
+  check_lengths(cfg, prompts.shape[1], sampling)
+  return _generate(params, prompts, prompt_lengths, rng, cfg=cfg, sampling=sampling)
