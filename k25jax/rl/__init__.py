@@ -1,0 +1,1 @@
+"""Reinforcement learning: sampler on the MLA latent cache, rollouts, verifiable tasks (`tasks`)."""

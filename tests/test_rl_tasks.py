@@ -1,0 +1,137 @@
+"""k25jax.rl.tasks: the addition task's format, parser and grader; reasoning-gym tasks offline."""
+import sys
+
+import numpy as np
+import pytest
+
+from k25jax.rl import tasks
+
+TOK = tasks.AdditionTokenizer()
+
+
+def test_tokenizer_round_trip_and_vocab():
+  assert TOK.vocab_size == 17
+  text = "^57+68=75+86>521?75+86>521$__"
+  assert TOK.decode(TOK.encode(text)) == text
+  with pytest.raises(ValueError, match="'x'"):
+    TOK.encode("12x")
+  with pytest.raises(ValueError):
+    TOK.decode([17])
+
+
+def test_prompt_and_completion_formats_by_hand():
+  assert TOK.decode(tasks.addition_prompt(57, 8)) == "^57+08="
+  variants = {(False, False): "521$", (True, False): "75+86>521$",
+              (False, True): "521?75+86>521$", (True, True): "75+86>521?75+86>521$"}
+  for (scratch, check), text in variants.items():
+    assert TOK.decode(tasks.addition_completion(57, 68, scratch=scratch, check=check)) == text
+  assert TOK.decode(tasks.addition_completion(3, 4, scratch=False, check=False)) == "700$"
+
+
+def test_prompt_rejects_operands_outside_two_digits():
+  with pytest.raises(ValueError):
+    tasks.addition_prompt(100, 1)
+
+
+@pytest.mark.parametrize("scratch", [False, True])
+@pytest.mark.parametrize("check", [False, True])
+def test_parser_round_trips_every_variant(scratch, check):
+  for a, b in [(0, 0), (99, 99), (57, 68), (5, 40), (10, 90)]:
+    completion = tasks.addition_completion(a, b, scratch=scratch, check=check)
+    assert tasks.parse_addition(completion) == a + b
+
+
+def test_demonstrations_cover_all_lengths_and_parse():
+  d = tasks.addition_demonstrations(64, seed=3)
+  assert set(d["completion_length"].tolist()) == {4, 10, 14, 20}
+  assert d["tokens"].shape == (64, tasks.MAX_LENGTH) and tasks.MAX_LENGTH == 27
+  np.testing.assert_array_equal(d["completion_mask"].sum(1), d["completion_length"])
+  np.testing.assert_array_equal(d["length"], d["completion_length"] + tasks.PROMPT_LENGTH)
+  completions = d["tokens"][:, tasks.PROMPT_LENGTH:]
+  graded = tasks.grade_addition(completions, d["a"], d["b"])
+  assert graded["reward"].sum() == 64 and graded["num_unparsable"] == 0
+  np.testing.assert_array_equal(graded["length"], d["completion_length"])
+  expected = 4 + 6 * d["scratch"] + 10 * d["check"]
+  np.testing.assert_array_equal(d["completion_length"], expected)
+
+
+def test_demonstrations_respect_block_probabilities():
+  bare = tasks.addition_demonstrations(16, seed=0, p_scratch=0.0, p_check=0.0)
+  assert np.all(bare["completion_length"] == 4)
+  full = tasks.addition_demonstrations(16, seed=0, p_scratch=1.0, p_check=1.0)
+  assert np.all(full["completion_length"] == 20)
+  with pytest.raises(ValueError):
+    tasks.addition_demonstrations(4, seed=0, p_scratch=1.5)
+
+
+def test_determinism_given_seed():
+  a, b = tasks.addition_prompts(32, seed=7), tasks.addition_prompts(32, seed=7)
+  np.testing.assert_array_equal(a["tokens"], b["tokens"])
+  assert not np.array_equal(a["tokens"], tasks.addition_prompts(32, seed=8)["tokens"])
+  d1, d2 = tasks.addition_demonstrations(32, seed=7), tasks.addition_demonstrations(32, seed=7)
+  np.testing.assert_array_equal(d1["tokens"], d2["tokens"])
+  np.testing.assert_array_equal(a["tokens"], d1["tokens"][:, :tasks.PROMPT_LENGTH])
+  assert a["a"].min() >= 0 and a["a"].max() <= 99
+
+
+def test_grader_scores_wrong_and_unparsable_as_zero_and_counts_them():
+  rows = [
+      "521$",            # correct
+      "75+86>521$__",    # correct with scratch
+      "421$",            # wrong but well formed: 0, not unparsable
+      "521",             # truncated (no EOS): unparsable
+      "52$",             # two digits: unparsable
+      "521?75+8>521$",   # malformed check block: unparsable
+      "+=$",             # garbage
+      "521$?99",         # junk after EOS is ignored: correct
+  ]
+  width = max(len(r) for r in rows)
+  completions = np.array([TOK.encode(r.ljust(width, "_")) for r in rows])
+  n = len(rows)
+  out = tasks.grade_addition(completions, np.full(n, 57), np.full(n, 68))
+  np.testing.assert_array_equal(out["reward"], [1, 1, 0, 0, 0, 0, 0, 1])
+  np.testing.assert_array_equal(out["unparsable"], [0, 0, 0, 1, 1, 1, 1, 0])
+  assert out["num_unparsable"] == 4
+  np.testing.assert_array_equal(out["length"], [4, 10, 4, width, 3, 13, 3, 4])
+
+
+def test_grader_shape_mismatch_raises():
+  with pytest.raises(ValueError):
+    tasks.grade_addition(np.zeros((3, 5), int), np.zeros(2), np.zeros(3))
+
+
+# --- reasoning-gym ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["countdown", "gsm_symbolic"])
+def test_reasoning_gym_demonstrations_score_one(name):
+  task = tasks.ReasoningGymTask(name, size=4, seed=0)
+  demos = [task.demonstration(i) for i in range(4)]
+  out = task.grade(range(4), demos)
+  np.testing.assert_array_equal(out["reward"], [1, 1, 1, 1])
+  assert "<answer></answer>" in task.prompt(0)
+
+
+@pytest.mark.parametrize("name", ["countdown", "gsm_symbolic"])
+def test_reasoning_gym_wrong_and_unparsable(name):
+  task = tasks.ReasoningGymTask(name, size=2, seed=0)
+  out = task.grade([0, 0, 1], ["<answer>1</answer>", "the answer is 7", "<answer></answer>"])
+  np.testing.assert_array_equal(out["reward"], [0, 0, 0])
+  np.testing.assert_array_equal(out["unparsable"], [0, 1, 0])
+  assert out["num_unparsable"] == 1
+
+
+def test_reasoning_gym_is_deterministic_given_seed():
+  a = tasks.ReasoningGymTask("gsm_symbolic", size=3, seed=5)
+  b = tasks.ReasoningGymTask("gsm_symbolic", size=3, seed=5)
+  assert [a.prompt(i) for i in range(3)] == [b.prompt(i) for i in range(3)]
+  c = tasks.ReasoningGymTask("countdown", size=3, seed=6)
+  assert c.prompt(0) != tasks.ReasoningGymTask("countdown", size=3, seed=5).prompt(0)
+
+
+def test_reasoning_gym_unknown_task_and_missing_package(monkeypatch):
+  with pytest.raises(ValueError, match="available"):
+    tasks.ReasoningGymTask("chess", size=1, seed=0)
+  monkeypatch.setitem(sys.modules, "reasoning_gym", None)
+  with pytest.raises(ImportError, match="pip install reasoning-gym"):
+    tasks.ReasoningGymTask("countdown", size=1, seed=0)
