@@ -21,6 +21,7 @@ setup(
         "safetensors",
         "absl-py",
         "numpy",
+        "reasoning-gym",   # offline verifiable tasks (k25jax/rl/tasks.py)
     ],
     extras_require={
         "dev": [
