@@ -48,7 +48,10 @@ def main(argv):
     jax.distributed.initialize(**distributed)
   logging.info("process %d of %d, %d devices: %s", jax.process_index(), jax.process_count(),
                jax.device_count(), jax.devices()[0].platform)
-  stage = importlib.import_module(f"k25jax.stages.{config.stage}")
+  try:
+    stage = importlib.import_module(f"k25jax.stages.{config.stage}")
+  except ModuleNotFoundError as e:
+    raise app.UsageError(f"config.stage={config.stage!r}: there is no k25jax/stages/{config.stage}.py") from e
   stage.run(config, _WORKDIR.value or os.path.join("runs", config.stage))
 
 

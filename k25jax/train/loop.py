@@ -69,13 +69,17 @@ def train(state, *, train_step: Callable, next_batch: Callable[[], dict], total_
   a list of {"step", "split", **metrics} for every logged train step and evaluation."""
   step = int(jax.device_get(state.step))
   progress = Progress(total_steps, tokens_per_step, step)
-  history = []
+  history, skipped = [], int(jax.device_get(state.skipped))
   while step < total_steps:
     state, metrics = train_step(state, next_batch())
     step += 1
     if step % log_every == 0 or step == total_steps or step == 1:
       metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
       logging.info("%s", progress.line(step, metrics))
+      if metrics["skipped_steps"] > skipped:
+        logging.warning("%d step(s) up to step %d had a non-finite loss or gradients; their updates were "
+                        "skipped (%d in all)", metrics["skipped_steps"] - skipped, step, metrics["skipped_steps"])
+        skipped = int(metrics["skipped_steps"])
       writer.write(step, metrics, "train")
       history.append({"step": step, "split": "train", **metrics})
     if step % eval_every == 0 or step == total_steps:

@@ -1,0 +1,46 @@
+"""The generic loop: when it logs, evaluates and saves, and how it reports skipped steps."""
+import glob
+import logging
+import os
+
+import jax.numpy as jnp
+import numpy as np
+
+from k25jax.train import loop
+from k25jax.train.state import TrainState
+
+
+def fake_step(nan_at):
+  """Counts steps; the update at step `nan_at` is 'non-finite'."""
+  def step(state, batch):
+    skipped = state.skipped + (state.step + 1 == nan_at)
+    new = state.replace(step=state.step + 1, skipped=skipped)
+    return new, {"loss": 10.0 / (state.step + 1.0), "skipped_steps": skipped, "tokens": batch}
+  return step
+
+
+def test_schedule_of_logs_evals_saves_and_skip_warning(tmp_path, caplog):
+  state = TrainState(step=jnp.int32(2), params={}, opt_state=(), rng=jnp.zeros(2, jnp.uint32),
+                     skipped=jnp.int32(0))
+  saved, writer = [], loop.MetricWriter(str(tmp_path))
+  with caplog.at_level(logging.INFO):
+    state, history = loop.train(
+        state, train_step=fake_step(nan_at=5), next_batch=lambda: 4.0, total_steps=10, tokens_per_step=4,
+        log_every=4, eval_every=5, checkpoint_every=3,
+        evaluate_fn=lambda s: {"loss": float(s.step), "tokens": 1.0},
+        save_fn=lambda n, s: saved.append((n, int(s.step))), writer=writer)
+  writer.close()
+  assert int(state.step) == 10
+  assert [h["step"] for h in history if h["split"] == "train"] == [4, 8, 10]     # resumed at 2: no step 1
+  assert [h["step"] for h in history if h["split"] == "eval"] == [5, 10]
+  assert saved == [(3, 3), (6, 6), (9, 9), (10, 10)]
+  warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert len(warnings) == 1 and "up to step 8" in warnings[0] and "non-finite" in warnings[0]
+  assert any("step 10/10" in r.getMessage() and "ETA" in r.getMessage() for r in caplog.records)
+  assert glob.glob(os.path.join(tmp_path, "tensorboard", "events.out.tfevents.*"))
+
+
+def test_evaluate_weights_by_tokens():
+  batches = [(1.0, 10.0), (4.0, 30.0)]
+  metrics = loop.evaluate(lambda s, b: {"loss": np.float32(b[0]), "tokens": np.float32(b[1])}, None, batches)
+  assert metrics["tokens"] == 40.0 and abs(metrics["loss"] - 3.25) < 1e-6
