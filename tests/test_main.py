@@ -38,3 +38,15 @@ def test_overrides_reach_the_run_and_it_writes_logs_and_checkpoints(tmp_path):
   assert "step 2/2" in result.stderr and "'data': 2" in result.stderr
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2"]
   assert glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*"))
+
+
+def test_presets_round_trip_their_model_configs():
+  from k25jax.model import config as model_config
+  from k25jax.train import config_utils
+  from test_train_step import load_pretrain_config
+  for preset in ("tiny", "small"):
+    config = load_pretrain_config(preset)
+    assert config.stage == "pretrain" and config.model.preset == preset
+    assert config_utils.model_config_from(config.model) == model_config.preset(preset)
+  with pytest.raises(ValueError, match="unknown preset"):
+    load_pretrain_config("huge")

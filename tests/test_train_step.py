@@ -16,12 +16,16 @@ MICRO = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermed
              q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
 
 
-def micro_config():
+def load_pretrain_config(preset):
   spec = importlib.util.spec_from_file_location(
       "pretrain_config", os.path.join(os.path.dirname(__file__), "..", "configs", "pretrain.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  config = module.get_config("tiny")
+  return module.get_config(preset)
+
+
+def micro_config():
+  config = load_pretrain_config("tiny")
   config.model = config_utils.model_section("tiny", **MICRO)
   config.train.update(steps=10, batch=8, seq_len=16, router_bias_rate=0.01)
   config.optimizer.update(warmup_steps=1, decay_steps=2)
