@@ -9,6 +9,7 @@ jax detects itself (SLURM, Open MPI, TPU pods) with --distributed.
 from __future__ import annotations
 
 import importlib
+import logging as pylogging
 import os
 
 import jax
@@ -37,7 +38,17 @@ def distributed_args() -> dict | None:
   return dict(coordinator_address=address, num_processes=num, process_id=pid)
 
 
+class _QuietLibraries(pylogging.Filter):
+  """Drops INFO records of Orbax and XLA's backend probing; their warnings still pass."""
+
+  NOISY = (f"{os.sep}orbax{os.sep}", "xla_bridge.py")
+
+  def filter(self, record: pylogging.LogRecord) -> bool:
+    return record.levelno >= pylogging.WARNING or not any(n in record.pathname for n in self.NOISY)
+
+
 def main(argv):
+  pylogging.getLogger("absl").addFilter(_QuietLibraries())
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   config = _CONFIG.value

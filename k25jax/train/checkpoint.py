@@ -36,12 +36,15 @@ class Checkpoints:
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
         item_names=("state", "data"))
 
-  def save(self, step: int, state, data_iterator: grain.DatasetIterator) -> None:
-    self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iterator)),
-        force=True)
+  def save(self, step: int, state, data_iterator: grain.DatasetIterator | None = None) -> None:
+    """Saves the state, and the data iterator's position when the stage reads a grain
+    iterator (stages whose data is a pure function of the step pass None)."""
+    items = {"state": ocp.args.StandardSave(state)}
+    if data_iterator is not None:
+      items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
+    self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
-  def restore_latest(self, target, data_iterator: grain.DatasetIterator):
+  def restore_latest(self, target, data_iterator: grain.DatasetIterator | None = None):
     """The newest readable state (shaped and sharded like `target`, a tree of
     `jax.ShapeDtypeStruct` with shardings) with `data_iterator` set to its position,
     or None when there is no checkpoint. Raises if checkpoints exist but none is readable."""
@@ -49,9 +52,10 @@ class Checkpoints:
     steps = sorted(self.manager.all_steps(), reverse=True)
     for step in steps:
       try:
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target),
-            data=grain.checkpoint.CheckpointRestore(data_iterator)))
+        items = {"state": ocp.args.StandardRestore(target)}
+        if data_iterator is not None:
+          items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
       except Exception as e:  # pylint: disable=broad-except  (any unreadable checkpoint)
         logging.warning("checkpoint %d in %s is unreadable (%s: %s); falling back to the previous one",
                         step, self.directory, type(e).__name__, str(e)[:300])
@@ -62,6 +66,21 @@ class Checkpoints:
       raise RuntimeError(f"no readable checkpoint in {self.directory} (tried steps {steps}); "
                          "move the directory away to start afresh")
     return None
+
+  def restore_params(self, params_target):
+    """Only the params of the newest checkpoint (another stage's, whatever its optimizer):
+    `params_target` is a tree of `jax.ShapeDtypeStruct` with shardings."""
+    self.manager.reload()
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    if not steps:
+      raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    reader = ocp.CheckpointManager(self.directory, item_names=("state",))
+    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), params_target)
+    restored = reader.restore(steps[0], args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item={"params": params_target}, restore_args={"params": restore_args}, partial_restore=True)))
+    reader.close()
+    logging.info("restored the params of checkpoint %d from %s", steps[0], self.directory)
+    return restored["state"]["params"]
 
   def close(self) -> None:
     self.manager.wait_until_finished()

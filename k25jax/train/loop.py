@@ -64,7 +64,7 @@ def evaluate(eval_step: Callable, state, batches: Iterable[dict]) -> dict:
 
 def train(state, *, train_step: Callable, next_batch: Callable[[], dict], total_steps: int,
           tokens_per_step: int, log_every: int, eval_every: int, checkpoint_every: int,
-          evaluate_fn: Callable, save_fn: Callable, writer: MetricWriter):
+          evaluate_fn: Callable | None, save_fn: Callable, writer: MetricWriter):
   """Runs `train_step` from `state.step` to `total_steps`. Returns (state, history), history
   a list of {"step", "split", **metrics} for every logged train step and evaluation."""
   step = int(jax.device_get(state.step))
@@ -82,7 +82,7 @@ def train(state, *, train_step: Callable, next_batch: Callable[[], dict], total_
         skipped = int(metrics["skipped_steps"])
       writer.write(step, metrics, "train")
       history.append({"step": step, "split": "train", **metrics})
-    if step % eval_every == 0 or step == total_steps:
+    if evaluate_fn is not None and (step % eval_every == 0 or step == total_steps):
       metrics = evaluate_fn(state)
       logging.info("eval at step %d: loss %.4f  accuracy %.3f", step, metrics["loss"],
                    metrics.get("accuracy", np.nan))
