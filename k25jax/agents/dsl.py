@@ -1,0 +1,140 @@
+"""The PARL token DSL: a 73-token vocabulary for the tiny wide-search swarm, and its tokenizer.
+
+Every agent (the orchestrator or a sub-agent) sees ONE context: a sequence of blocks,
+each closed by the end-of-turn token `|`. The environment writes the prompt and the
+observations, the model writes the turns (the only tokens under the loss):
+
+    context      := prompt (turn observation)* turn
+    prompt       := ROLE SYSTEM ATTRIBUTE ENTITY+ |
+    turn         := call* |                                  (grammar in `tools.py`)
+    observation  := obs (ENTITY VALUE | err [TOOL])* [stop] |
+
+    ROLE       orch | sub            who reads the context (the role token opens it)
+    SYSTEM     searcher | follower   the system prompt; in an orchestrator prompt, the task kind
+    ATTRIBUTE  A0..A3                ENTITY  E0..E31       VALUE  V0..V15
+    TOOL       create | assign | search | answer           AGENT  S1..S8 (sub-agent names)
+
+`obs` opens an observation, `err` reports a failed call (followed by the tool it was,
+when known), `stop` says the critical-step budget is spent: the next turn must answer.
+`_` (id 0) pads batches and never appears inside a context. The role token doubles
+as the begin marker; the vocabulary has no separator because every tool token opens a
+call (see `tools.py`).
+
+Readable text is the tokens joined by single spaces, e.g.
+
+    orch searcher A2 E1 E5 E7 | create searcher S1 S2 assign A2 S1 E1 E5 S2 E7 |
+    obs E1 V3 E5 V9 E7 V0 | answer E1 V3 E5 V9 E7 V0 |
+
+Token families with an index (entities, attributes, values, agents) are `Family`
+objects: `ENTITY.id(5)` is the id of `E5`, `ENTITY.index(id)` goes back, and
+`ENTITY.contains(id)` tests membership. Agents are indexed by slot 0..7 (`S1` is slot 0).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+PAD, EOT = "_", "|"
+ROLES = ("orch", "sub")
+SYSTEM_PROMPTS = ("searcher", "follower")
+TOOLS = ("create", "assign", "search", "answer")
+OBS, ERR, STOP = "obs", "err", "stop"
+
+NUM_AGENTS = 8
+NUM_ENTITIES = 32
+NUM_ATTRIBUTES = 4
+NUM_VALUES = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """An indexed token family: `size` tokens named `prefix + str(index + offset)` from id `start`."""
+
+  prefix: str
+  start: int
+  size: int
+  offset: int = 0
+
+  @property
+  def names(self) -> tuple[str, ...]:
+    return tuple(f"{self.prefix}{i + self.offset}" for i in range(self.size))
+
+  def id(self, index: int) -> int:
+    """The token id of member `index` (0-based)."""
+    index = int(index)
+    if not 0 <= index < self.size:
+      raise ValueError(f"{self.prefix} index {index} is outside [0, {self.size})")
+    return self.start + index
+
+  def index(self, token_id: int) -> int:
+    """The 0-based index of a member's token id."""
+    if not self.contains(token_id):
+      raise ValueError(f"token id {token_id} is not a {self.prefix}* token")
+    return int(token_id) - self.start
+
+  def contains(self, token_id: int) -> bool:
+    return self.start <= int(token_id) < self.start + self.size
+
+  def name(self, index: int) -> str:
+    """The readable token of member `index`, e.g. AGENT.name(0) == "S1"."""
+    return VOCAB[self.id(index)]
+
+
+_FIXED = (PAD, EOT, *ROLES, *SYSTEM_PROMPTS, *TOOLS, OBS, ERR, STOP)
+AGENT = Family("S", len(_FIXED), NUM_AGENTS, offset=1)
+ENTITY = Family("E", AGENT.start + AGENT.size, NUM_ENTITIES)
+ATTRIBUTE = Family("A", ENTITY.start + ENTITY.size, NUM_ATTRIBUTES)
+VALUE = Family("V", ATTRIBUTE.start + ATTRIBUTE.size, NUM_VALUES)
+
+VOCAB: tuple[str, ...] = (*_FIXED, *AGENT.names, *ENTITY.names, *ATTRIBUTE.names, *VALUE.names)
+VOCAB_SIZE = len(VOCAB)
+TOKEN_ID: dict[str, int] = {token: i for i, token in enumerate(VOCAB)}
+
+PAD_ID, EOT_ID = TOKEN_ID[PAD], TOKEN_ID[EOT]
+ORCH_ID, SUB_ID = (TOKEN_ID[r] for r in ROLES)
+SEARCHER_ID, FOLLOWER_ID = (TOKEN_ID[s] for s in SYSTEM_PROMPTS)
+CREATE_ID, ASSIGN_ID, SEARCH_ID, ANSWER_ID = (TOKEN_ID[t] for t in TOOLS)
+OBS_ID, ERR_ID, STOP_ID = TOKEN_ID[OBS], TOKEN_ID[ERR], TOKEN_ID[STOP]
+ROLE_IDS = frozenset(TOKEN_ID[r] for r in ROLES)
+SYSTEM_IDS = frozenset(TOKEN_ID[s] for s in SYSTEM_PROMPTS)
+TOOL_IDS = frozenset(TOKEN_ID[t] for t in TOOLS)
+
+
+def token_id(token: str) -> int:
+  """The id of one readable token, e.g. token_id("E5")."""
+  try:
+    return TOKEN_ID[token]
+  except KeyError:
+    raise ValueError(f"{token!r} is not a DSL token") from None
+
+
+def token_name(token: int) -> str:
+  """The readable form of one id."""
+  token = int(token)
+  if not 0 <= token < VOCAB_SIZE:
+    raise ValueError(f"token id {token} is outside the DSL vocabulary (size {VOCAB_SIZE})")
+  return VOCAB[token]
+
+
+def encode(text: str) -> list[int]:
+  """Whitespace-separated readable tokens → ids ("obs E1 V3 |" → [10, 22, 60, 1])."""
+  return [token_id(token) for token in text.split()]
+
+
+def decode(ids) -> str:
+  """Ids → readable tokens joined by single spaces (the inverse of `encode`)."""
+  return " ".join(token_name(i) for i in ids)
+
+
+class DSLTokenizer:
+  """The tokenizer object other stages expect: encode/decode plus the special ids."""
+
+  vocab = VOCAB
+  vocab_size = VOCAB_SIZE
+  pad_id = PAD_ID
+  eot_id = EOT_ID
+
+  def encode(self, text: str) -> list[int]:
+    return encode(text)
+
+  def decode(self, ids) -> str:
+    return decode(ids)
