@@ -78,10 +78,11 @@ def clip_attention(attn: dict, max_logits: jax.Array, tau: float) -> dict:
 def qk_clip(params, max_logits: jax.Array, tau: float):
   """Applies QK-Clip to layers_0 … layers_{L−1}; max_logits: [L, H] (the model's aux).
 
-  Pure jax.numpy (unclipped heads are multiplied by exactly 1, so they keep their bits);
-  works on sharded params inside a jitted step. Returns (params, metrics) with metrics
-  `clipped_heads` (number of heads with S > τ), `max_logit` (the largest S) and
-  `max_logit_per_layer` [L].
+  S comes from the step's forward pass, before the update, so the next forward can exceed
+  τ by one update's growth. Pure jax.numpy (unclipped heads are multiplied by exactly 1, so
+  they keep their bits); works on sharded params inside a jitted step. Returns (params,
+  metrics) with metrics `clipped_heads` (number of heads with S > τ), `max_logit` (the
+  largest S) and `max_logit_per_layer` [L].
   """
   params = dict(params)
   for layer in range(max_logits.shape[0]):
