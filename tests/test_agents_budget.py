@@ -59,6 +59,13 @@ def test_truncation_stops_subagents_and_forces_a_partial_answer():
   assert result.orchestrator.text.split("|")[-3].strip().endswith("stop")
 
 
+def test_subagent_step_cap_leaves_the_rest_to_the_orchestrator():
+  task = ws.make_task(5, kind="wide", n=4)
+  result = ws.run_episode(task, ws.ScriptedOrchestrator(2), budget=20, max_subagent_steps=1)
+  assert result.trace.stages == [{0: 1, 1: 1}, {}, {}, {}]      # two own searches, then the answer
+  assert result.score.success and result.num_finished == 0 and result.critical_steps == 5
+
+
 def drive(task, turns, budget=4):
   """Runs an episode where each agent's turns are given as readable text, in order."""
   episode = ws.Episode(task, budget=budget)

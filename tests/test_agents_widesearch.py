@@ -87,6 +87,8 @@ def test_demonstrations_are_deterministic_and_varied():
   a, b = ws.demonstrations(40, seed=1), ws.demonstrations(40, seed=1)
   assert a.keys() == b.keys() and all(np.array_equal(a[key], b[key]) for key in a)
   assert not np.array_equal(a["tokens"], ws.demonstrations(40, seed=2)["tokens"])
+  prefix = ws.demonstrations(10, seed=1)
+  assert np.array_equal(prefix["tokens"], a["tokens"][:len(prefix["tokens"])])
   assert a["tokens"].shape[1] == ws.MAX_CONTEXT and set(a["role"].tolist()) == {0, 1}
   assert np.bincount(a["role"])[0] == 40 and a["episode"].max() == 39
   assert len(set(a["num_subagents"].tolist())) >= 4

@@ -16,7 +16,7 @@ orchestrator's parallel calls in one step, written compactly):
 e.g. `create searcher S1 S2 assign A2 S1 E1 E5 S2 E7 |` is four calls: two
 create_subagent, then assign_task(S1, A2 E1 E5) and assign_task(S2, A2 E7).
 
-Rules of a turn (checked in order, each violation an `ToolError` in place of the call):
+Rules of a turn (checked in order, each violation a `ToolError` in place of the call):
 the orchestrator (`orch`) may use every tool, a sub-agent (`sub`) only `search` and
 `answer`; an agent name is created once and must be created (earlier, or earlier in the
 same turn) before it is assigned; one agent gets at most one task per turn; a turn makes

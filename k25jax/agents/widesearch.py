@@ -577,9 +577,9 @@ class ScriptedOrchestrator:
 
 
 def run_episode(task: Task, orchestrator: Policy, subagent: Policy = solo_policy, *,
-                budget: int = DEFAULT_BUDGET) -> EpisodeResult:
+                budget: int = DEFAULT_BUDGET, max_subagent_steps: int | None = None) -> EpisodeResult:
   """Drives one episode with plain callables (context ids → turn ids) until it ends."""
-  episode = Episode(task, budget=budget)
+  episode = Episode(task, budget=budget, max_subagent_steps=max_subagent_steps)
   while not episode.done:
     for request in episode.requests():
       policy = orchestrator if request.role == "orch" else subagent
@@ -599,13 +599,14 @@ def demonstrations(num_episodes: int, seed: int, *, budget: int = DEFAULT_BUDGET
     loss_mask  float32 [N, max_length] 1 on generated tokens (the SFT targets:
                weights = loss_mask[:, 1:] for targets tokens[:, 1:])
     length     int32 [N]   role  int32 [N] (0 orchestrator, 1 sub-agent)   episode  int32 [N]
-  and per episode: num_subagents, item_f1, critical_steps  [num_episodes].
+  and per episode: num_subagents, item_f1, critical_steps  [num_episodes]. The first m
+  episodes of a run are the m episodes of a shorter run with the same seed.
   Raises ValueError if a context is longer than max_length.
   """
   tasks = sample_tasks(num_episodes, seed, deep_fraction=deep_fraction, **task_kwargs)
-  rng = np.random.default_rng((seed, num_episodes))
   rows, per_episode = [], collections.defaultdict(list)
   for index, task in enumerate(tasks):
+    rng = np.random.default_rng((seed, index, 1))
     k = int(rng.integers(0, 2 if task.kind == "deep" else len(task.entities) + 1))
     result = run_episode(task, ScriptedOrchestrator(k), budget=budget)
     rows += [(t, index) for t in [result.orchestrator, *result.subagents]]
