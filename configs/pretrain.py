@@ -28,7 +28,7 @@ def get_config(arg=None):
   ))
 
   c.optimizer = ml_collections.ConfigDict(dict(
-      name="adamw",
+      name="adamw",                        # adamw | muonclip (Muon + QK-Clip, AdamW for the rest)
       lr=1e-3 if tiny else 6e-4,
       warmup_steps=20 if tiny else 500,     # warmup → stable → cosine decay (WSD)
       decay_steps=100 if tiny else 4000,
@@ -38,6 +38,12 @@ def get_config(arg=None):
       eps=1e-8,
       weight_decay=0.1,
       grad_clip=1.0,
+      # muonclip only (b1, b2, eps above are its AdamW half's):
+      momentum=0.95,                       # Nesterov momentum of Muon
+      nesterov=True,
+      ns_steps=5,                          # Newton–Schulz iterations
+      rms_scale=0.2,                       # Muon update · rms_scale · sqrt(max(rows, cols))
+      qk_clip_tau=100.0,                   # QK-Clip threshold τ on the max pre-softmax logit
   ))
 
   # Device counts per axis; -1 takes the devices left over.

@@ -3,7 +3,7 @@
 Per step, with packed rows (segment_ids, positions) and loss mask w:
 
     L = CE(θ) + z · mean_t (log Z_t)² + α · L_balance          (k25jax.losses.next_token_loss)
-    θ ← AdamW(θ, ∇L)   (router biases excluded),   b_l ← b_l + γ · sign(mean(load_l) − load_l)
+    θ ← AdamW or MuonClip(θ, ∇L)   (router biases excluded),   b_l ← b_l + γ · sign(mean(load_l) − load_l)
 """
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def make_step(config: ml_collections.ConfigDict, model: transformer.Transformer,
   abstract = state_lib.abstract(transformer.abstract_params(model.cfg), tx)
   return step.make_train_step(make_loss(config, model), tx, abstract,
                               router_gamma=config.train.router_bias_rate,
-                              first_moe_layer=model.cfg.first_k_dense_replace)
+                              first_moe_layer=model.cfg.first_k_dense_replace,
+                              qk_clip_tau=optimizer.qk_clip_tau(config.optimizer))
 
 
 def make_eval_step(config: ml_collections.ConfigDict, model: transformer.Transformer, tx):

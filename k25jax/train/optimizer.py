@@ -1,4 +1,4 @@
-"""Optimizers and the warmup–stable–decay (WSD) learning-rate schedule.
+"""Optimizers (`optimizer.name`: adamw | muonclip) and the warmup–stable–decay (WSD) schedule.
 
 The router bias (`e_score_correction_bias`) lives in the params but is a buffer the
 train step sets (auxiliary-loss-free balancing): the optimizer leaves it untouched,
@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import optax
 
 from k25jax.model.moe import ROUTER_BIAS
+from k25jax.optim import muonclip
 
-OPTIMIZERS = ("adamw",)
+OPTIMIZERS = ("adamw", "muonclip")
 
 
 def wsd_schedule(lr: float, total_steps: int, warmup_steps: int, decay_steps: int,
@@ -54,8 +55,17 @@ def make_optimizer(opt, total_steps: int) -> optax.GradientTransformation:
   if opt.name not in OPTIMIZERS:
     raise ValueError(f"optimizer.name={opt.name!r}; available: {OPTIMIZERS}")
   schedule = wsd_schedule(opt.lr, total_steps, opt.warmup_steps, opt.decay_steps, opt.final_lr_ratio)
-  adamw = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
-                      mask=decay_mask)
-  return optax.chain(
-      optax.clip_by_global_norm(opt.grad_clip),
-      optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels))
+  if opt.name == "muonclip":
+    update = muonclip.muonclip(schedule, weight_decay=opt.weight_decay, momentum=opt.momentum,
+                               nesterov=opt.nesterov, ns_steps=opt.ns_steps, rms_scale=opt.rms_scale,
+                               adam_b1=opt.b1, adam_b2=opt.b2, adam_eps=opt.eps)
+  else:
+    adamw = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
+                        mask=decay_mask)
+    update = optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
+  return optax.chain(optax.clip_by_global_norm(opt.grad_clip), update)
+
+
+def qk_clip_tau(opt) -> float | None:
+  """τ of QK-Clip after each step for MuonClip; None (no clipping) for the other optimizers."""
+  return opt.qk_clip_tau if opt.name == "muonclip" else None

@@ -3,10 +3,12 @@
     (loss, aux), g = value_and_grad(loss_fn)(θ, batch, rng)
     u, s'          = tx.update(g, s, θ);  θ' = θ + u
     b'_l           = b_l + γ · sign(mean(load_l) − load_l)      per MoE layer l (router bias)
+    θ'             = QK-Clip(θ', S_max, τ)                      MuonClip only (k25jax.optim.muonclip)
     if loss or g is non-finite:  θ' = θ, s' = s, skipped += 1   (the step still advances)
 
 A stage supplies `loss_fn(params, batch, rng) -> (loss, (metrics, model_aux))`, with
-`model_aux` the model's aux dict (`expert_load` [moe_layers, E]).
+`model_aux` the model's aux dict (`expert_load` [moe_layers, E]; `max_logits` [layers,
+heads] when QK-Clip is on).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from k25jax.model import moe
+from k25jax.optim import muonclip
 from k25jax.train import sharding
 from k25jax.train.state import TrainState
 
@@ -44,10 +47,11 @@ def all_finite(tree) -> jax.Array:
 
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, abstract_state: TrainState, *,
-                    router_gamma: float, first_moe_layer: int):
+                    router_gamma: float, first_moe_layer: int, qk_clip_tau: float | None = None):
   """`step(state, batch) -> (state, metrics)`, one `jax.jit` with shardings, state donated.
 
-  Call it under `jax.set_mesh(mesh)`; batch leaves are [batch, seq] arrays.
+  Call it under `jax.set_mesh(mesh)`; batch leaves are [batch, seq] arrays. With
+  `qk_clip_tau`, QK-Clip follows the update and its counts go to the metrics.
   """
   specs = sharding.mesh_specs(abstract_state)
   batch_spec = P(sharding.BATCH_AXES, "sequence")
@@ -61,6 +65,11 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, abstract_
     params = optax.apply_updates(state.params, updates)
     if aux["expert_load"].shape[0]:
       params = update_router_biases(params, aux["expert_load"], router_gamma, first_moe_layer)
+    if qk_clip_tau is not None:
+      params, clip = muonclip.qk_clip(params, aux["max_logits"], qk_clip_tau)
+      per_layer = {f"qk_clip/max_logit_layer_{i}": m for i, m in enumerate(clip["max_logit_per_layer"])}
+      metrics = {**metrics, "qk_clip/clipped_heads": clip["clipped_heads"],
+                 "qk_clip/max_logit": clip["max_logit"], **per_layer}
     finite = jnp.logical_and(jnp.isfinite(loss), all_finite(grads))
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     skipped = state.skipped + jnp.where(finite, 0, 1).astype(jnp.int32)
