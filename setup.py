@@ -29,6 +29,7 @@ setup(
             "torch==2.13.0",
             "transformers>=5.13",
             "compressed-tensors",
+            "matplotlib",
         ],
     },
 )
