@@ -119,7 +119,7 @@ def warm_start_diagnostics(config, workdir: str) -> dict:
     mix = form_mix(config, params)
   finite = budgets[np.isfinite(budgets)]
   return {"mix": mix, "budget_mean": float(finite.mean()), "budget_quantiles": {
-      q: float(np.percentile(finite, q)) for q in (10, 25, 50, 75, 90)},
+      str(q): float(np.percentile(finite, q)) for q in (10, 25, 50, 75, 90)},
       "budget_below_10": float(np.mean(finite < 10)), "budget_10_to_14": float(np.mean((finite >= 10) & (finite < 14))),
       "budget_at_least_14": float(np.mean(finite >= 14))}
 
@@ -168,6 +168,8 @@ def summarize(seed_results: dict) -> dict:
     row["length_reduction"] = 1.0 - row["toggle"]["mean_length"] / plain_final
     row["correct_length_reduction"] = 1.0 - row["toggle"]["length_correct"] / row["plain"]["length_correct"]
     row["accuracy_delta"] = row["toggle"]["accuracy"] - row["plain"]["accuracy"]
+    train_length = {run: np.mean([r["mean_length"] for r in runs[run]["train"]]) for run in RUNS}
+    row["rollout_token_reduction"] = float(1.0 - train_length["toggle"] / train_length["plain"])
     row["first_below_eval"] = first_below(runs["toggle"]["eval"], plain_final)
     row["first_below_train"] = first_below(runs["toggle"]["train"], plain_final)
     out[seed] = row
@@ -178,7 +180,7 @@ def mean_row(summary: dict) -> dict:
   rows = list(summary.values())
   mean = lambda f: float(np.mean([f(r) for r in rows]))
   out = {run: {k: mean(lambda r, run=run, k=k: r[run][k]) for k in rows[0][run]} for run in ("start",) + RUNS}
-  for k in ("length_reduction", "correct_length_reduction", "accuracy_delta"):
+  for k in ("length_reduction", "correct_length_reduction", "accuracy_delta", "rollout_token_reduction"):
     out[k] = mean(lambda r, k=k: r[k])
   for k in ("first_below_eval", "first_below_train"):
     hits = [r[k] for r in rows if r[k] is not None]
@@ -190,7 +192,7 @@ def mean_row(summary: dict) -> dict:
 def print_table(summary: dict, mean: dict) -> None:
   fmt_it = lambda v: "   never" if v is None else f"{v:8.0f}"
   print(f"\n{'seed':>5s} {'run':7s} {'acc':>6s} {'greedy':>7s} {'length':>7s} {'len ok':>7s} "
-        f"{'Δlen %':>7s} {'Δacc':>6s} {'1st<plain (eval)':>17s} {'(train)':>8s}")
+        f"{'Δlen %':>7s} {'Δacc':>6s} {'1st<plain (eval)':>17s} {'(train)':>8s} {'Δrollout tok %':>15s}")
   for seed, row in list(summary.items()) + [("mean", mean)]:
     print(f"{seed!s:>5s} {'start':7s} {row['start']['accuracy']:6.3f} {row['start']['greedy_accuracy']:7.3f} "
           f"{row['start']['mean_length']:7.2f} {row['start']['length_correct']:7.2f}")
@@ -200,13 +202,15 @@ def print_table(summary: dict, mean: dict) -> None:
               f"{r['length_correct']:7.2f}")
       if run == "toggle":
         line += (f" {100 * row['length_reduction']:6.1f}% {row['accuracy_delta']:+6.3f} "
-                 f"{fmt_it(row['first_below_eval']):>17s} {fmt_it(row['first_below_train'])}")
+                 f"{fmt_it(row['first_below_eval']):>17s} {fmt_it(row['first_below_train'])} "
+                 f"{100 * row['rollout_token_reduction']:14.1f}%")
       print(line)
   print("acc/greedy: held-out accuracy, sampled (T=1) / greedy; length: mean response tokens (EOS included); "
         "len ok: mean length of correct responses;\nΔlen: 1 − toggle/plain final mean length; "
         "1st<plain: first iteration where Toggle's length < plain's final (eval every "
-        "`eval_every` iterations, or per-iteration training rollouts). Mean row: means over seeds "
-        "(first-below over the seeds that got there).")
+        "`eval_every` iterations, or per-iteration training rollouts);\nΔrollout tok: 1 − toggle/plain tokens "
+        "sampled over all training iterations. Mean row: means over seeds (first-below over the seeds that got "
+        "there).")
 
 
 def print_mix(seed_results: dict) -> None:
@@ -220,7 +224,7 @@ def print_mix(seed_results: dict) -> None:
       print(f"{seed!s:>5s} {name:14s} {mix['bare']:6.3f} {mix['scratch']:8.3f} {mix['check']:6.3f} "
             f"{mix['both']:6.3f} {mix['accuracy']:6.3f}")
     q = ws["budget_quantiles"]
-    print(f"{'':>5s} budgets: mean {ws['budget_mean']:.2f}, quartiles {q[25]:.1f}/{q[50]:.1f}/{q[75]:.1f}; "
+    print(f"{'':>5s} budgets: mean {ws['budget_mean']:.2f}, quartiles {q['25']:.1f}/{q['50']:.1f}/{q['75']:.1f}; "
           f"< 10: {ws['budget_below_10']:.2f}, [10, 14): {ws['budget_10_to_14']:.2f}, "
           f">= 14: {ws['budget_at_least_14']:.2f}")
 
@@ -257,8 +261,20 @@ def main():
   parser.add_argument("--set", action="append", default=[], help="section.field=value, for both runs")
   parser.add_argument("--workdir", default="/tmp/k25jax_toggle_savings")
   parser.add_argument("--out", default="experiments/results/toggle_savings")
+  parser.add_argument("--from_json", default="", help="re-summarize and re-plot a previous <out>.json, no training")
   args = parser.parse_args()
   logging.set_verbosity(logging.WARNING)
+
+  if args.from_json:
+    with open(args.from_json) as f:
+      saved = json.load(f)
+    seed_results = saved["runs"]
+    summary = summarize(seed_results)
+    print_table(summary, mean_row(summary))
+    print_mix(seed_results)
+    print(f"\n{saved['args']}, wall time {saved['wall_seconds'] / 60:.1f} min")
+    plot(seed_results, args.out + ".png")
+    return
 
   start = time.perf_counter()
   seed_results = {}
