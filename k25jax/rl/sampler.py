@@ -13,6 +13,7 @@ key are cached (`attention.init_cache`).
 The recorded log-prob is log softmax(logits / T)[token] for temperature T > 0 (top-k /
 top-p truncation is a sampling device and is not renormalised into it), and
 log softmax(logits)[token] for greedy decoding (T = 0): the π_old of the RL loss.
+`banned_tokens` are removed from the distribution before sampling and scoring.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class SamplingConfig:
   top_p: float = 1.0            # 1 = off
   stop_tokens: tuple[int, ...] = ()
   pad_id: int = 0
+  banned_tokens: tuple[int, ...] = ()   # never sampled (e.g. tools a baseline may not use)
 
   def __post_init__(self):
     if self.max_new_tokens <= 0:
@@ -65,6 +67,8 @@ def truncate_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
 def sample_token(logits: jax.Array, rng: jax.Array, sampling: SamplingConfig) -> tuple[jax.Array, jax.Array]:
   """logits [b, vocab] → (token [b] int32, log-prob [b] float32)."""
   logits = logits.astype(jnp.float32)
+  if sampling.banned_tokens:
+    logits = logits.at[:, jnp.asarray(sampling.banned_tokens)].set(-jnp.inf)
   if sampling.temperature == 0:
     token = jnp.argmax(logits, axis=-1)
     logp = jax.nn.log_softmax(logits, axis=-1)

@@ -1,0 +1,131 @@
+"""The asyncio swarm runtime: many episodes, every agent a coroutine, one device call per tick.
+
+Each episode is a coroutine that asks its environment (`widesearch.Episode`) which agents
+need a turn — the orchestrator, or the sub-agents of the current stage — and runs one
+coroutine per agent turn. An agent's coroutine hands its context to the `Swarm`'s
+decoder and awaits the generated turn. When every agent in flight is waiting, the
+scheduler flushes: all waiting contexts of one role are decoded in ONE batched sampler
+call (sub-agents share the frozen params, the orchestrator uses the trainable ones), so
+16 sub-agents cost about as many device calls as one agent.
+
+Batches are padded to a few bucket shapes (rows to a power of two, context length to a
+multiple of 16) so the sampler compiles once per bucket, not once per tick. A context
+too long for the model gets an empty turn (the environment treats it as truncated) and
+is counted in `overflows`.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+from typing import Mapping, Sequence
+
+import jax
+import numpy as np
+
+from k25jax.agents import widesearch
+from k25jax.model.config import ModelConfig
+from k25jax.rl import sampler
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """Who answers a role: a model config, its params and how to sample from it."""
+
+  cfg: ModelConfig
+  params: object
+  sampling: sampler.SamplingConfig
+
+
+def _bucket_rows(n: int) -> int:
+  return max(8, 1 << (n - 1).bit_length())
+
+
+def _bucket_length(n: int, multiple: int = 16) -> int:
+  return -(-n // multiple) * multiple
+
+
+class Swarm:
+  """Runs batches of episodes with one batched decode per role per tick."""
+
+  def __init__(self, policies: Mapping[str, Policy], seed: int = 0):
+    self.policies = dict(policies)
+    self.rng = jax.random.PRNGKey(seed)
+    self.device_calls = collections.Counter()   # sampler calls per role
+    self.decoded_rows = collections.Counter()   # agent turns per role
+    self.overflows = 0
+    self._pending: list[tuple[str, tuple[int, ...], asyncio.Future]] = []
+    self._in_flight = 0
+
+  # ----------------------------------------------------------------- agent side
+  async def _agent_turn(self, episode: widesearch.Episode, request: widesearch.Request) -> None:
+    future = asyncio.get_running_loop().create_future()
+    self._pending.append((request.role, request.context, future))
+    tokens, logprobs = await future
+    self._in_flight -= 1
+    episode.submit(request.agent, tokens, logprobs)
+
+  async def _episode(self, episode: widesearch.Episode) -> widesearch.EpisodeResult:
+    while not episode.done:
+      requests = episode.requests()
+      if not requests:
+        raise RuntimeError("an unfinished episode has no agent waiting for a turn")
+      self._in_flight += len(requests)
+      await asyncio.gather(*(self._agent_turn(episode, r) for r in requests))
+    return episode.result()
+
+  # ----------------------------------------------------------------- device side
+  def _decode(self, role: str, contexts: Sequence[tuple[int, ...]]) -> list[tuple[list[int], list[float]]]:
+    """One sampler call for all `contexts` of `role`; returns each row's (tokens, logprobs)."""
+    policy = self.policies[role]
+    new = policy.sampling.max_new_tokens
+    limit = policy.cfg.max_position_embeddings - new
+    fits = [len(c) <= limit for c in contexts]
+    self.overflows += fits.count(False)
+    rows = [c if ok else c[:1] for c, ok in zip(contexts, fits)]
+    width = min(_bucket_length(max(len(c) for c in rows)), limit)
+    batch = _bucket_rows(len(rows))
+    prompts = np.full((batch, width), policy.sampling.pad_id, np.int32)
+    lengths = np.ones(batch, np.int32)
+    for i, c in enumerate(rows):
+      prompts[i, :len(c)] = c
+      lengths[i] = len(c)
+    self.rng, key = jax.random.split(self.rng)
+    out = jax.device_get(sampler.generate(policy.cfg, policy.params, prompts, lengths, key, policy.sampling))
+    self.device_calls[role] += 1
+    self.decoded_rows[role] += len(rows)
+    results = []
+    for i, ok in enumerate(fits):
+      n = int(out["lengths"][i]) if ok else 0
+      results.append((out["tokens"][i, :n].tolist(), out["logprobs"][i, :n].tolist()))
+    return results
+
+  def _flush(self) -> None:
+    pending, self._pending = self._pending, []
+    by_role = collections.defaultdict(list)
+    for item in pending:
+      by_role[item[0]].append(item)
+    for role, items in by_role.items():
+      for (_, _, future), result in zip(items, self._decode(role, [c for _, c, _ in items])):
+        future.set_result(result)
+
+  async def _scheduler(self, episodes: list[asyncio.Task]) -> None:
+    """Flushes when every agent turn in flight is waiting for its tokens (twice in a row,
+    so episodes that are between turns get to register theirs)."""
+    stable = 0
+    while not all(t.done() for t in episodes):
+      await asyncio.sleep(0)
+      ready = bool(self._pending) and len(self._pending) == self._in_flight
+      stable = stable + 1 if ready else 0
+      if stable >= 2:
+        self._flush()
+        stable = 0
+
+  async def _run(self, episodes: Sequence[widesearch.Episode]) -> list[widesearch.EpisodeResult]:
+    tasks = [asyncio.ensure_future(self._episode(e)) for e in episodes]
+    await self._scheduler(tasks)
+    return [t.result() for t in tasks]
+
+  def run(self, episodes: Sequence[widesearch.Episode]) -> list[widesearch.EpisodeResult]:
+    """Plays every episode to the end; returns their results in order."""
+    return asyncio.run(self._run(list(episodes)))
