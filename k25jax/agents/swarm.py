@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -48,7 +48,7 @@ def _bucket_length(n: int, multiple: int = 16) -> int:
 class Swarm:
   """Runs batches of episodes with one batched decode per role per tick."""
 
-  def __init__(self, policies: Mapping[str, Policy], seed: int = 0):
+  def __init__(self, policies: Mapping[str, Policy | Callable[[Sequence[int]], Sequence[int]]], seed: int = 0):
     self.policies = dict(policies)
     self.rng = jax.random.PRNGKey(seed)
     self.device_calls = collections.Counter()   # sampler calls per role
@@ -76,8 +76,14 @@ class Swarm:
 
   # ----------------------------------------------------------------- device side
   def _decode(self, role: str, contexts: Sequence[tuple[int, ...]]) -> list[tuple[list[int], list[float]]]:
-    """One sampler call for all `contexts` of `role`; returns each row's (tokens, logprobs)."""
+    """One sampler call for all `contexts` of `role`; returns each row's (tokens, logprobs).
+
+    A role may also be played by a plain function context → tokens (a scripted policy,
+    for tests): it is called per row and costs no device call."""
     policy = self.policies[role]
+    if callable(policy):
+      turns = [list(policy(c)) for c in contexts]
+      return [(t, [0.0] * len(t)) for t in turns]
     new = policy.sampling.max_new_tokens
     limit = policy.cfg.max_position_embeddings - new
     fits = [len(c) <= limit for c in contexts]
