@@ -37,6 +37,13 @@ def softmax_scale(cfg: ModelConfig) -> float:
   return cfg.qk_head_dim ** -0.5 * yarn_attention_mscale(cfg) ** 2
 
 
+def attention_impl(cfg: ModelConfig) -> str:
+  """"xla" | "pallas" for `cfg.attention_impl` ("auto": Pallas when compiled for TPU/GPU, XLA on CPU)."""
+  if cfg.attention_impl == "auto":
+    return "pallas" if jax.default_backend() in ("tpu", "gpu") else "xla"
+  return cfg.attention_impl
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
                      segment_ids: jax.Array | None = None, chunk: int = 128
                      ) -> tuple[jax.Array, jax.Array]:
@@ -124,7 +131,11 @@ class MLA(nn.Module):
     k = jnp.concatenate([k_nope, k_rope], axis=-1)
     q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", None))
     k = nn.with_logical_constraint(k, ("activation_batch", "activation_length", "activation_heads", None))
-    out, max_logits = causal_attention(q, k, v, softmax_scale(cfg), segment_ids)
+    if attention_impl(cfg) == "pallas":
+      from pallas_kernels import mla_attention  # loaded only when chosen
+      out, max_logits = mla_attention.flash_attention(q, k, v, softmax_scale(cfg), segment_ids)
+    else:
+      out, max_logits = causal_attention(q, k, v, softmax_scale(cfg), segment_ids)
     out = nn.with_logical_constraint(out, ("activation_batch", "activation_length", "activation_heads", None))
     return self.o_proj(out), jax.lax.stop_gradient(max_logits)
 
@@ -146,15 +157,20 @@ class MLA(nn.Module):
     w_kv = self.kv_b_proj.variables["params"]["kernel"].astype(q.dtype)     # [kv_lora, h, nope + v]
     w_uk, w_uv = jnp.split(w_kv, [cfg.qk_nope_head_dim], axis=-1)
     q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w_uk)
-    logits = (jnp.einsum("bthc,bsc->bhts", q_latent, cache["latent"].astype(q.dtype),
-                         preferred_element_type=jnp.float32)
-              + jnp.einsum("bthr,bsr->bhts", q_rope, cache["k_rope"].astype(q.dtype),
-                           preferred_element_type=jnp.float32)) * softmax_scale(cfg)
-    visible = jnp.arange(cache["latent"].shape[1])[None, None, None, :] <= positions[:, None, :, None]
-    logits = jnp.where(visible, logits, -jnp.inf)
-    max_logits = jnp.max(logits, axis=(0, 2, 3))
-    probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
-    out_latent = jnp.einsum("bhts,bsc->bthc", probs, cache["latent"].astype(q.dtype))
+    if attention_impl(cfg) == "pallas":
+      from pallas_kernels import mla_decode  # loaded only when chosen
+      out_latent, max_logits = mla_decode.latent_attention(q_latent, q_rope, cache["latent"], cache["k_rope"],
+                                                           positions, softmax_scale(cfg))
+    else:
+      logits = (jnp.einsum("bthc,bsc->bhts", q_latent, cache["latent"].astype(q.dtype),
+                           preferred_element_type=jnp.float32)
+                + jnp.einsum("bthr,bsr->bhts", q_rope, cache["k_rope"].astype(q.dtype),
+                             preferred_element_type=jnp.float32)) * softmax_scale(cfg)
+      visible = jnp.arange(cache["latent"].shape[1])[None, None, None, :] <= positions[:, None, :, None]
+      logits = jnp.where(visible, logits, -jnp.inf)
+      max_logits = jnp.max(logits, axis=(0, 2, 3))
+      probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+      out_latent = jnp.einsum("bhts,bsc->bthc", probs, cache["latent"].astype(q.dtype))
     out = jnp.einsum("bthc,chv->bthv", out_latent, w_uv)
     return self.o_proj(out), max_logits, cache
 

@@ -16,8 +16,9 @@ import math
 from typing import Any
 
 MOE_IMPLS = ("dense", "ragged", "ragged_dot", "pallas")
+ATTENTION_IMPLS = ("xla", "pallas", "auto")
 # Fields of ours that never come from a Hugging Face config.json (whose `dtype` is torch's).
-OURS = ("moe_impl", "moe_block_size", "dtype", "param_dtype")
+OURS = ("moe_impl", "moe_block_size", "attention_impl", "dtype", "param_dtype")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -57,6 +58,7 @@ class ModelConfig:
   # --- ours (not in the Hugging Face config) ---
   moe_impl: str = "ragged"          # dense | ragged | ragged_dot | pallas
   moe_block_size: int = 0           # rows per expert tile of the ragged path; 0 = auto
+  attention_impl: str = "xla"       # xla | pallas | auto (Pallas when compiled for TPU/GPU, else XLA)
   dtype: str = "float32"            # activation / compute dtype
   param_dtype: str = "float32"
 
@@ -109,6 +111,8 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.hidden_act: only 'silu' (SwiGLU) is supported, got {self.hidden_act!r}")
     if self.moe_impl not in MOE_IMPLS:
       raise ValueError(f"ModelConfig.moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"ModelConfig.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
     if self.moe_block_size < 0:
       raise ValueError(f"ModelConfig.moe_block_size must be >= 0, got {self.moe_block_size}")
     for name in ("dtype", "param_dtype"):

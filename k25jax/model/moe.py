@@ -19,7 +19,9 @@ Expert compute paths (`ModelConfig.moe_impl`), all equal to each other:
                  batched matmul over tiles (pays only for routed tokens + tile padding,
                  on every backend, CPU included);
 * ``ragged_dot`` dropless with `jax.lax.ragged_dot` (native on TPU/GPU; a masked
-                 dense product on CPU).
+                 dense product on CPU);
+* ``pallas``     the Pallas routing kernel, expert sort and grouped matmul
+                 (`pallas_kernels.moe`; compiled on TPU/GPU, interpreted on CPU).
 """
 from __future__ import annotations
 
@@ -177,6 +179,12 @@ class Router(nn.Module):
     bias = self.param(ROUTER_BIAS, nn.with_logical_partitioning(nn.initializers.zeros, ("exp",)),
                       (n_exp,), jnp.float32)
     logits = jnp.dot(tokens.astype(jnp.float32), kernel)
+    if cfg.moe_impl == "pallas":
+      from pallas_kernels import moe as pallas_moe  # loaded only when chosen
+      r = pallas_moe.route(logits, bias, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
+                           topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
+                           routed_scaling_factor=cfg.routed_scaling_factor, sort=False)
+      return r.weights, r.experts, r.scores
     return route(logits, bias, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
                  topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
                  routed_scaling_factor=cfg.routed_scaling_factor)
@@ -208,7 +216,10 @@ class Experts(nn.Module):
       return experts_ragged(tokens, experts, weights, gate, up, down, cfg.moe_block_size)
     if cfg.moe_impl == "ragged_dot":
       return experts_ragged_dot(tokens, experts, weights, gate, up, down)
-    raise NotImplementedError(f"moe_impl={cfg.moe_impl!r} is not available yet (Pallas kernels issue)")
+    if cfg.moe_impl == "pallas":
+      from pallas_kernels import moe as pallas_moe  # loaded only when chosen
+      return pallas_moe.routed_experts(tokens, experts, weights, gate, up, down)
+    raise NotImplementedError(f"moe_impl={cfg.moe_impl!r}")
 
 
 class MoE(nn.Module):

@@ -1,0 +1,69 @@
+"""The tiny model with attention_impl/moe_impl = pallas (interpreted) equals the XLA paths."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k25jax.model import attention, config, transformer
+
+
+def _close(actual, expected, rtol):
+  actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+  np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * np.abs(expected).max())
+
+
+SMALL = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, q_lora_rank=32,
+             kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=64)
+XLA = config.preset("tiny", **SMALL)
+PALLAS = XLA.replace(attention_impl="pallas", moe_impl="pallas")
+
+
+@pytest.fixture(scope="module")
+def params():
+  return jax.jit(transformer.init_params, static_argnums=0)(XLA, jax.random.PRNGKey(0))
+
+
+def test_auto_is_xla_on_cpu():
+  assert attention.attention_impl(XLA.replace(attention_impl="auto")) == ("xla" if jax.default_backend() == "cpu"
+                                                                          else "pallas")
+
+
+def test_pallas_logits_and_gradients_equal_xla(params):
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, 64, (2, 21)), jnp.int32)               # 21: not a block multiple
+  segments = jnp.asarray([[1] * 12 + [2] * 9, [1] * 16 + [0] * 5], jnp.int32)
+  positions = jnp.asarray([list(range(12)) + list(range(9)), list(range(16)) + [0] * 5], jnp.int32)
+
+  def loss(cfg):
+    def fn(p):
+      logits, aux = transformer.Transformer(cfg).apply({"params": p}, tokens, positions, segments)
+      return jnp.mean(jax.nn.log_softmax(logits)[..., 0]) + aux["balance_loss"], (logits, aux)
+    return fn
+
+  (_, (logits, aux)), grads = jax.jit(jax.value_and_grad(loss(PALLAS), has_aux=True))(params)
+  (_, (ref_logits, ref_aux)), ref_grads = jax.jit(jax.value_and_grad(loss(XLA), has_aux=True))(params)
+  _close(logits, ref_logits, 1e-5)
+  _close(aux["max_logits"], ref_aux["max_logits"], 1e-5)
+  np.testing.assert_array_equal(aux["expert_load"], ref_aux["expert_load"])
+  for path, g in jax.tree_util.tree_leaves_with_path(grads):
+    ref = ref_grads
+    for key in path:
+      ref = ref[key.key]
+    _close(g, ref, 1e-5)
+
+
+def test_pallas_decode_equals_xla(params):
+  """Rows at different positions of one latent cache: one decode step, both paths."""
+  rng = np.random.default_rng(1)
+  cache = attention.init_cache(XLA, 2, 32)
+  for layer in cache:
+    for name in layer:
+      layer[name] = jnp.asarray(rng.normal(size=layer[name].shape), jnp.float32)
+  tokens = jnp.asarray(rng.integers(0, 64, (2, 1)), jnp.int32)
+  positions = jnp.asarray([[0], [31]], jnp.int32)                               # length 1 and the full cache
+  outs = [jax.jit(lambda p, c, cfg=cfg: transformer.Transformer(cfg).apply({"params": p}, tokens, positions,
+                                                                           cache=c))(params, cache)
+          for cfg in (PALLAS, XLA)]
+  _close(outs[0][0], outs[1][0], 1e-5)
+  _close(outs[0][1]["max_logits"], outs[1][1]["max_logits"], 1e-5)
