@@ -19,6 +19,8 @@ setup(
         "ml-collections",
         "tensorboardX",
         "safetensors",
+        "ml_dtypes",       # bfloat16 / float8 arrays in k25jax/convert/safetensors_io.py
+        "regex",           # the tiktoken vocabulary's pre-tokenizer (k25jax/data/tokenizer.py)
         "absl-py",
         "numpy",
         "reasoning-gym",   # offline verifiable tasks (k25jax/rl/tasks.py)
