@@ -68,9 +68,13 @@ class _Static:
 
 # ------------------------------------------------------------------------------ in-kernel pieces
 def _argmax_first(x, iota, size):
-  """Per-row (max, lowest index attaining it), both [rows, 1]."""
+  """Per-row (max, lowest index attaining it), both [rows, 1].
+
+  The index reduction runs in float32 (exact below 2^24), which every backend reduces.
+  """
   best = jnp.max(x, axis=1, keepdims=True)
-  return best, jnp.min(jnp.where(x == best, iota, size), axis=1, keepdims=True)
+  first = jnp.min(jnp.where(x == best, iota.astype(jnp.float32), float(size)), axis=1, keepdims=True)
+  return best, first.astype(jnp.int32)
 
 
 def _group_mask(choice, iota, st: _Static):
@@ -148,9 +152,10 @@ def _route_kernel(logits_ref, bias_ref, w_ref, e_ref, s_ref, rank_ref, hist_ref,
 
 
 def _sort_kernel(e_ref, rank_ref, hist_ref, *, st: _Static, n_exp: int):
-  experts = e_ref[...]
+  experts = e_ref[...].astype(jnp.float32)                   # exact ids; float sums reduce everywhere
   col = lax.broadcasted_iota(jnp.int32, experts.shape, 1)
-  picks = [jnp.sum(jnp.where(col == j, experts, 0), axis=1, keepdims=True) for j in range(st.top_k)]
+  picks = [jnp.sum(jnp.where(col == j, experts, 0.0), axis=1, keepdims=True).astype(jnp.int32)
+           for j in range(st.top_k)]
   iota = lax.broadcasted_iota(jnp.int32, (experts.shape[0], n_exp), 1)
   ranks, hist = _ranks(picks, iota, _valid_rows(st, experts.shape[0]))
   rank_ref[...] = _columns(ranks, st.k_out, jnp.int32)
