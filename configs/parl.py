@@ -37,8 +37,8 @@ def get_config(arg=None):
   # One SFT model on demonstrations of both roles when `checkpoint` is empty; it is both
   # the orchestrator's start and the frozen sub-agents (unless parl.subagent_checkpoint).
   c.warm_start = ml_collections.ConfigDict(dict(
-      checkpoint="", demonstrations=6000, steps=800, batch=128, seed=0, log_every=100,
-      checkpoint_every=400, router_bias_rate=1e-3, optimizer=_optimizer(3e-3, 50, 300)))
+      checkpoint="", demonstrations=6000, steps=400, batch=128, seed=0, pack=True, log_every=50,
+      checkpoint_every=200, router_bias_rate=1e-3, optimizer=_optimizer(3e-3, 40, 150)))
 
   c.parl = ml_collections.ConfigDict(dict(
       budget=4,                    # CriticalSteps budget per episode (truncates, never zeroes)

@@ -41,7 +41,7 @@ def get_config(arg=None):
   c.warm_start = ml_collections.ConfigDict(dict(
       checkpoint="",             # a workdir with checkpoints of the same model: start from its params
       demonstrations=20000, p_scratch=0.5, p_check=0.5,
-      steps=250, batch=128, seed=0, log_every=50, checkpoint_every=250, router_bias_rate=1e-3,
+      steps=250, batch=128, seed=0, pack=False, log_every=50, checkpoint_every=250, router_bias_rate=1e-3,
       optimizer=_optimizer(3e-3, 50, 100)))
 
   c.rl = ml_collections.ConfigDict(dict(

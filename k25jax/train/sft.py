@@ -1,6 +1,9 @@
 """Supervised fine-tuning on a fixed set of token sequences (the warm starts of RL and PARL).
 
-Per step, rows r drawn without replacement from a generator seeded by (seed, step):
+The sequences are first packed (best fit, longest first) into rows of the padded
+length: each row holds several sequences as segments 1..k, positions restarting at 0,
+so short contexts do not pay for padding. Per step, packed rows r drawn without
+replacement from a generator seeded by (seed, step):
 
     L = Σ_t w_{r,t+1} · CE(model(x_r)_t, x_{r,t+1}) / Σ_t w_{r,t+1}     (losses.next_token_loss)
 
@@ -19,14 +22,41 @@ from k25jax.model import transformer
 from k25jax.train import checkpoint, loop, optimizer, sharding, state as state_lib, step as step_lib
 
 
-def batch_rows(tokens: np.ndarray, weights: np.ndarray, lengths: np.ndarray, rows: np.ndarray) -> dict:
-  """Right-padded sequences → model inputs: inputs/targets shifted by one, padding as segment 0."""
-  x = tokens[rows]
-  seq = x.shape[1] - 1
-  positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (len(rows), seq))
-  return {"inputs": x[:, :-1].astype(np.int32), "targets": x[:, 1:].astype(np.int32),
-          "loss_mask": weights[rows, 1:].astype(np.float32), "positions": positions,
-          "segment_ids": (positions < lengths[rows, None]).astype(np.int32)}
+def pack(tokens: np.ndarray, weights: np.ndarray, lengths: np.ndarray, share_rows: bool = True
+         ) -> dict[str, np.ndarray]:
+  """Right-padded sequences [n, L] → packed next-token rows [rows, L − 1].
+
+  Sequence i contributes inputs x_i[:-1], targets x_i[1:] and weights w_i[1:]
+  (lengths[i] − 1 positions); rows get inputs, targets, loss_mask, positions and
+  segment_ids (1..k, 0 = padding). With share_rows=False every sequence gets a row.
+  """
+  width = tokens.shape[1] - 1
+  rows: list[list[int]] = []
+  by_room: list[list[int]] = [[] for _ in range(width + 1)]   # rows by their free positions
+  for i in sorted(range(len(tokens)), key=lambda i: (-int(lengths[i]), i)):
+    need = int(lengths[i]) - 1
+    fits = next((f for f in range(need, width + 1) if by_room[f]), None) if share_rows else None
+    if fits is None:                       # best fit: the row with the least room that suffices
+      rows.append([i])
+      by_room[width - need].append(len(rows) - 1)
+    else:
+      r = by_room[fits].pop()
+      rows[r].append(i)
+      by_room[fits - need].append(r)
+  out = {name: np.zeros((len(rows), width), dtype) for name, dtype in (
+      ("inputs", np.int32), ("targets", np.int32), ("loss_mask", np.float32), ("positions", np.int32),
+      ("segment_ids", np.int32))}
+  for r, members in enumerate(rows):
+    at = 0
+    for segment, i in enumerate(members, start=1):
+      n = int(lengths[i]) - 1
+      out["inputs"][r, at:at + n] = tokens[i, :n]
+      out["targets"][r, at:at + n] = tokens[i, 1:n + 1]
+      out["loss_mask"][r, at:at + n] = weights[i, 1:n + 1]
+      out["positions"][r, at:at + n] = np.arange(n)
+      out["segment_ids"][r, at:at + n] = segment
+      at += n
+  return out
 
 
 def loss_fn_for(model: transformer.Transformer, z_loss: float = 0.0):
@@ -42,8 +72,9 @@ def train(config: ml_collections.ConfigDict, model: transformer.Transformer, tok
           weights: np.ndarray, lengths: np.ndarray, *, mesh, workdir: str, init_params=None):
   """Trains `config.steps` steps of `config.batch` rows; resumes from `workdir`'s checkpoints.
 
-  config: steps, batch, seed, log_every, checkpoint_every, router_bias_rate and an
-  `optimizer` section (k25jax.train.optimizer). Returns (params, history).
+  config: steps, batch, seed, pack (share rows between sequences), log_every,
+  checkpoint_every, router_bias_rate and an `optimizer` section (k25jax.train.optimizer).
+  Returns (params, history).
   """
   tx = optimizer.make_optimizer(config.optimizer, config.steps)
   abstract = state_lib.abstract(transformer.abstract_params(model.cfg), tx)
@@ -55,8 +86,10 @@ def train(config: ml_collections.ConfigDict, model: transformer.Transformer, tok
   checkpoints = checkpoint.Checkpoints(workdir, keep=2)
   writer = loop.MetricWriter(workdir)
   to_device = lambda rows: sharding.global_batch(rows, sharding.batch_sharding(mesh))
-  if config.batch > len(tokens):
-    raise ValueError(f"sft batch={config.batch} exceeds the {len(tokens)} demonstrations")
+  packed = pack(tokens, weights, lengths, share_rows=config.pack)
+  n_rows = len(packed["inputs"])
+  if config.batch > n_rows:
+    raise ValueError(f"sft batch={config.batch} exceeds the {n_rows} packed rows of {len(tokens)} demonstrations")
   train_step = step_lib.make_train_step(loss_fn_for(model), tx, abstract, router_gamma=config.router_bias_rate,
                                         first_moe_layer=model.cfg.first_k_dense_replace)
   with jax.set_mesh(mesh):
@@ -64,13 +97,13 @@ def train(config: ml_collections.ConfigDict, model: transformer.Transformer, tok
     if state is None:
       state = create(fresh)
     counter = [int(state.step)]
-    logging.info("sft: %d demonstrations, %d steps of %d rows, from step %d in %s", len(tokens), config.steps,
-                 config.batch, counter[0], workdir)
+    logging.info("sft: %d demonstrations packed into %d rows, %d steps of %d rows, from step %d in %s",
+                 len(tokens), n_rows, config.steps, config.batch, counter[0], workdir)
 
     def next_batch():
-      rows = np.random.default_rng([config.seed, counter[0]]).choice(len(tokens), config.batch, replace=False)
+      rows = np.sort(np.random.default_rng([config.seed, counter[0]]).choice(n_rows, config.batch, replace=False))
       counter[0] += 1
-      return to_device(batch_rows(tokens, weights, lengths, np.sort(rows)))
+      return to_device({name: v[rows] for name, v in packed.items()})
 
     state, history = loop.train(
         state, train_step=train_step, next_batch=next_batch, total_steps=config.steps,
