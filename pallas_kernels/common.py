@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
 
 COMPILED = ("tpu", "gpu")
 
@@ -32,9 +33,15 @@ def target(interpret: bool | None = None) -> str:
 
 
 def compiler_params(where: str, semantics: tuple[str, ...]):
-  """Mosaic grid-axis semantics ("parallel" | "arbitrary") on TPU; the Triton defaults elsewhere."""
+  """Mosaic grid-axis semantics ("parallel" | "arbitrary") on TPU; Triton on GPU.
+
+  On GPU `pallas_call` picks Mosaic GPU unless given Triton's CompilerParams; these
+  kernels are written for Triton (Hopper-only Mosaic GPU wants warpgroup kernels).
+  """
   if where == "tpu":
     return pltpu.CompilerParams(dimension_semantics=semantics)
+  if where == "gpu":
+    return pltriton.CompilerParams()
   return None
 
 

@@ -130,7 +130,7 @@ def latent_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
 
   grid = (b, rows_padded // br, n_splits)
   if formulation == "tpu":
-    cache_map = lambda bi, ri, si, last_ref: (bi, jnp.minimum(si, last_ref[bi] // chunk), 0)
+    cache_map = lambda bi, ri, si, last_ref: (bi, jnp.minimum(si, lax.div(last_ref[bi], chunk)), 0)
     row_map = lambda bi, ri, si, last_ref: (bi, ri, 0)
     out_map = lambda bi, ri, si, last_ref: (bi, si, ri, 0)
   else:
@@ -152,7 +152,9 @@ def latent_attention(q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array, 
         interpret=where == "interpret")
   else:
     call = pl.pallas_call(kernel, grid=grid, in_specs=[pl.BlockSpec((b,), lambda bi, ri, si: (0,))] + in_specs,
-                          out_specs=out_specs, out_shape=out_shape, interpret=where == "interpret")
+                          out_specs=out_specs, out_shape=out_shape,
+                          compiler_params=common.compiler_params(where, ("parallel",) * 3),
+                          interpret=where == "interpret")
   acc, m, l = call(last, q_lat, q_rp, pos, latent, k_rope)
 
   # Merge the splits: o = Σ_s e^{M_s−M} acc_s / Σ_s e^{M_s−M} ℓ_s.

@@ -276,6 +276,7 @@ def _gmm_gpu(lhs, rhs, starts, ends, out_dtype, st: _Static):
                 pl.BlockSpec((tm, k), lambda j, t: (t, 0)), whole(rhs)],
       out_specs=pl.BlockSpec((tm, tn), lambda j, t: (t, j)),
       out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+      compiler_params=common.compiler_params(st.where, ("parallel", "parallel")),
       interpret=st.where == "interpret")(g_first, g_last, starts, ends, lhs, rhs)
 
 
@@ -289,6 +290,7 @@ def _tgmm_gpu(x, y, starts, ends, out_dtype, st: _Static):
       in_specs=[whole(starts), whole(ends), whole(x), whole(y)],
       out_specs=pl.BlockSpec((None, tk, tn), lambda i, j, g: (g, i, j)),
       out_shape=jax.ShapeDtypeStruct((starts.shape[0], p, q), out_dtype),
+      compiler_params=common.compiler_params(st.where, ("parallel",) * 3),
       interpret=st.where == "interpret")(starts, ends, x, y)
 
 

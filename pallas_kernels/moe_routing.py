@@ -80,7 +80,7 @@ def _argmax_first(x, iota, size):
 def _group_mask(choice, iota, st: _Static):
   """Experts of the `topk_group` groups with the largest top-1 + top-2 of `choice`."""
   n_exp = choice.shape[1]
-  group_of = iota // st.per_group
+  group_of = lax.div(iota, jnp.int32(st.per_group))
   group_score = []
   for g in range(st.n_group):
     in_g = jnp.where(group_of == g, choice, -jnp.inf)
