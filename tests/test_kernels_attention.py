@@ -31,7 +31,7 @@ CASES = {
     "ragged_seq_segments": (40, 16, 8, True, "tpu", jnp.float32, 1e-5, 1e-5),
     "one_block_no_segments": (16, 16, 16, False, "tpu", jnp.float32, 1e-5, 1e-5),
     "gpu_padded_heads": (24, 8, 16, True, "gpu", jnp.float32, 1e-5, 1e-5),
-    "bf16": (24, 8, 8, True, "tpu", jnp.bfloat16, 2e-2, 4e-2),
+    "bf16": (24, 8, 8, True, "tpu", jnp.bfloat16, 1e-2, 2e-2),   # measured 5e-3, 7.5e-3
 }
 
 

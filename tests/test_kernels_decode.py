@@ -25,7 +25,7 @@ CASES = {
     "full_cache": ([[63], [63]], 64, 32, 16, None, "tpu", jnp.float32, 1e-5),
     "mixed_rows_two_tokens_ragged_cache": ([[0, 1], [40, 41], [98, 99]], 100, 64, 16, 4, "tpu", jnp.float32, 1e-5),
     "gpu_mixed_rows": ([[5], [99]], 100, 32, 8, None, "gpu", jnp.float32, 1e-5),
-    "bf16_mixed_rows": ([[3], [77]], 128, 64, 32, None, "tpu", jnp.bfloat16, 2e-2),
+    "bf16_mixed_rows": ([[3], [77]], 128, 64, 32, None, "tpu", jnp.bfloat16, 1e-2),   # measured 6.6e-3
 }
 
 
