@@ -1,0 +1,307 @@
+"""Experiment: PARL's shaping rewards, annealed vs held constant vs off, from one warm start.
+
+    python experiments/parl_ablation.py --workdir=DIR [--iterations 60 --seeds 0 --eval_every 10
+        --out_dir /tmp/parl_ablation --out experiments/results/parl_ablation]
+    python experiments/parl_ablation.py --from_json experiments/results/parl_ablation.json   # re-summarize, re-plot
+
+DIR is a finished `configs/parl.py` run; its SFT warm start (DIR/warm_start) is copied
+into a fresh workdir per run (out_dir/<variant>_s<seed>) and restored there through
+`warm_start.checkpoint`, so every run starts from the SAME params and nothing is
+retrained. Then the PARL RL stage (`k25jax.stages.parl.run`, configs/parl.py defaults
+otherwise) runs `--iterations` iterations with r = λ1 r_parallel + λ2 r_finish + r_perf:
+* annealed: λ1, λ2 from the config's values to 0 over anneal_steps = round(anneal_fraction
+            × iterations) (the config anneals over 80 of its 120 iterations: 2/3);
+* constant: anneal_steps = 10**9 (`losses.anneal` clips t / total_steps to [0, 1], so
+            λ stays within 1e-7 of its start value);
+* zero:     λ1 = λ2 = 0 (r = Item-F1 alone).
+`--seeds` sets rl.seed (the training tasks and the orchestrator's state rng; the rollout
+keys are the iteration's in every run, as in parl.run).
+
+Reports, on the config's held-out tasks (greedy; every --eval_every iterations and at the
+end) and per training iteration (sampled): Item-F1 (wide/deep), sub-agents created per
+episode (wide/deep), finish rate (Σ finished / Σ assigned), critical steps; and classifies
+each final policy as the paper does:
+* serial collapse: wide tasks with (almost) no sub-agents (< 0.5 per episode), or the
+  width falling back to the minimum that fits the budget (mean over the held-out wide tasks
+  of ceil(n / (B − 2)) for n ≥ B, the fewest sub-agents of `B − 2` steps each that cover
+  n entities, 0 when the orchestrator alone can do them); also whether the width fell
+  from its peak along training;
+* spurious parallelism: spawning that does not pay: wide finish rate < 0.8 while spawning,
+  sub-agents created but never assigned (> 10%), or spawning on deep tasks (≥ 0.5 per
+  episode; a deep chain gains nothing from a sub-agent and loses a step).
+Writes `<out>.json` and `<out>.png`. A run of 60 iterations takes ~2–4 minutes on 2 free
+cores (plus ~1 minute of compilation for the first run); the defaults (3 variants × 1
+seed × 60 iterations) about 10–12 minutes.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import json
+import logging as pylogging
+import math
+import os
+import shutil
+import time
+
+import matplotlib
+import numpy as np
+from absl import logging
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+
+from k25jax.agents import widesearch  # noqa: E402
+from k25jax.stages import parl  # noqa: E402
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+VARIANTS = ("annealed", "constant", "zero")
+COLORS = {"annealed": "tab:blue", "constant": "tab:orange", "zero": "tab:green"}
+MARKER = ".parl_ablation"     # marks a workdir this script made (and may delete)
+FINAL = "swarm (trained)"
+
+
+def load_config():
+  spec = importlib.util.spec_from_file_location("parl_config", os.path.join(ROOT, "configs", "parl.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config("tiny")
+
+
+def apply_overrides(config, overrides: list[str]) -> None:
+  for item in overrides:
+    path, _, text = item.partition("=")
+    *sections, field = path.split(".")
+    node = config
+    for name in sections:
+      node = node[name]
+    if field not in node:
+      raise ValueError(f"--set {item}: no field {path!r} in the config")
+    try:
+      node[field] = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      node[field] = text
+
+
+def make_config(variant: str, seed: int, workdir: str, args):
+  config = load_config()
+  apply_overrides(config, args.set)
+  config.warm_start.checkpoint = os.path.join(workdir, "warm_start")
+  config.rl.seed = seed
+  config.rl.iterations = args.iterations
+  config.rl.eval_every = args.eval_every
+  config.rl.log_every = args.log_every
+  config.rl.checkpoint_every = args.iterations
+  if args.eval_tasks:
+    config.parl.eval_tasks = args.eval_tasks
+  if variant == "annealed":
+    config.parl.anneal_steps = max(1, round(args.anneal_fraction * args.iterations))
+  elif variant == "constant":
+    config.parl.anneal_steps = 10**9
+  elif variant == "zero":
+    config.parl.lambda1 = config.parl.lambda2 = 0.0
+  else:
+    raise ValueError(f"variant {variant!r}; choose from {VARIANTS}")
+  return config
+
+
+def fresh_workdir(path: str, source: str) -> None:
+  """A new workdir holding a copy of the source run's warm-start checkpoints."""
+  if os.path.exists(path):
+    if not os.path.exists(os.path.join(path, MARKER)):
+      raise FileExistsError(f"{path} exists and was not made by this script; pass another --out_dir")
+    shutil.rmtree(path)
+  os.makedirs(path)
+  open(os.path.join(path, MARKER), "w").close()
+  shutil.copytree(os.path.join(source, "warm_start", "checkpoints"), os.path.join(path, "warm_start", "checkpoints"))
+
+
+def min_fit_subagents(config) -> float:
+  """Mean over the held-out wide tasks of the fewest sub-agents that cover the task within the budget."""
+  b = config.parl.budget
+  tasks = widesearch.sample_tasks(config.parl.eval_tasks, config.parl.eval_seed, deep_fraction=config.parl.deep_fraction)
+  need = [0 if len(t.entities) <= b - 1 else math.ceil(len(t.entities) / (b - 2)) for t in tasks if t.kind == "wide"]
+  return float(np.mean(need)) if need else 0.0
+
+
+def point(row: dict) -> dict:
+  """The metrics this experiment follows, from a parl.summarize row (eval, train or final)."""
+  rate = lambda kind: row.get(f"{kind}/num_finished", 0.0) / row[f"{kind}/num_assigned"] if row.get(
+      f"{kind}/num_assigned", 0.0) > 0 else float("nan")
+  unassigned = (row["wide/num_created"] - row["wide/num_assigned"]) / row["wide/num_created"] if row.get(
+      "wide/num_created", 0) > 0 else float("nan")
+  out = {"item_f1": row["item_f1"], "wide_f1": row.get("wide/item_f1", float("nan")),
+         "deep_f1": row.get("deep/item_f1", float("nan")), "wide_subagents": row.get("wide/num_created", float("nan")),
+         "deep_subagents": row.get("deep/num_created", float("nan")), "wide_finish_rate": rate("wide"),
+         "deep_finish_rate": rate("deep"), "finish_rate": row["num_finished"] / row["num_assigned"]
+         if row["num_assigned"] > 0 else float("nan"), "wide_unassigned": unassigned,
+         "critical_steps": row["critical_steps"], "wide_critical_steps": row.get("wide/critical_steps", float("nan")),
+         "deep_critical_steps": row.get("deep/critical_steps", float("nan"))}
+  for key in ("lambda1", "lambda2", "reward", "iteration_s"):
+    if key in row:
+      out[key] = row[key]
+  return out
+
+
+def classify(final: dict, evals: list[dict], min_fit: float) -> dict:
+  """Serial collapse and spurious parallelism labels of a final policy (module docstring)."""
+  wide, peak = final["wide_subagents"], max([e["wide_subagents"] for e in evals] + [final["wide_subagents"]])
+  if wide < 0.5:
+    serial = "collapsed to ~0 sub-agents"
+  elif wide <= min_fit + 0.5:
+    serial = f"at the budget minimum ({wide:.2f} vs {min_fit:.2f})"
+  else:
+    serial = f"no ({wide:.2f} > minimum {min_fit:.2f})"
+  if peak - wide >= 1.0:
+    serial += f"; fell from a peak of {peak:.2f}"
+  spurious = []
+  if wide >= 0.5 and not final["wide_finish_rate"] >= 0.8:
+    spurious.append(f"wide finish rate {final['wide_finish_rate']:.2f}")
+  if final["wide_unassigned"] > 0.1:
+    spurious.append(f"{100 * final['wide_unassigned']:.0f}% of wide sub-agents never assigned")
+  if final["deep_subagents"] >= 0.5:
+    spurious.append(f"{final['deep_subagents']:.2f} sub-agents on deep tasks")
+  return {"serial_collapse": serial, "spurious_parallelism": "; ".join(spurious) or "no",
+          "peak_wide_subagents": peak}
+
+
+def run_one(variant: str, seed: int, args) -> dict:
+  workdir = os.path.join(args.out_dir, f"{variant}_s{seed}")
+  fresh_workdir(workdir, args.workdir)
+  config = make_config(variant, seed, workdir, args)
+  start = time.perf_counter()
+  _, history = parl.run(config, workdir)
+  elapsed = time.perf_counter() - start
+  final = history[-1]["rows"]
+  return {"variant": variant, "seed": seed, "workdir": workdir, "elapsed_s": elapsed,
+          "lambda1": config.parl.lambda1, "lambda2": config.parl.lambda2, "anneal_steps": config.parl.anneal_steps,
+          "eval": [{"iteration": h["iteration"], **point(h)} for h in history if h["split"] == "eval"],
+          "train": [{"iteration": h["iteration"], **point(h)} for h in history if h["split"] == "train"],
+          "final": point(final[FINAL]), "final_rows": final}
+
+
+def smooth(values, window: int = 5):
+  v = np.asarray(values, float)
+  return np.convolve(v, np.ones(window) / window, mode="valid") if len(v) >= window else v
+
+
+def plot(runs: list[dict], min_fit: float, path: str, title: str) -> None:
+  panels = (("wide_f1", "Item-F1, wide"), ("deep_f1", "Item-F1, deep"),
+            ("wide_subagents", "sub-agents per episode, wide"), ("deep_subagents", "sub-agents per episode, deep"),
+            ("wide_finish_rate", "finish rate (finished / assigned), wide"), ("critical_steps", "critical steps"))
+  fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+  styles = ("-", "--", ":", "-.")
+  seeds = sorted({r["seed"] for r in runs})
+  for ax, (key, label) in zip(axes.flat, panels):
+    for r in runs:
+      color, ls = COLORS[r["variant"]], styles[seeds.index(r["seed"]) % len(styles)]
+      evals = r["eval"] + [{"iteration": r["train"][-1]["iteration"], **r["final"]}]
+      ax.plot([e["iteration"] for e in evals], [e[key] for e in evals], "o" + ls, color=color, ms=4,
+              label=f"{r['variant']} s{r['seed']} (held-out, greedy)")
+      train = [t[key] for t in r["train"]]
+      x = [t["iteration"] for t in r["train"]][len(r["train"]) - len(smooth(train)):]
+      ax.plot(x, smooth(train), ls, color=color, alpha=0.35, lw=1)
+    if key == "wide_subagents":
+      ax.axhline(min_fit, color="k", lw=0.8, ls=":", label="minimum that fits the budget")
+    ax.set_title(label, fontsize=10)
+    ax.set_xlabel("iteration")
+    ax.grid(alpha=0.3)
+  axes.flat[2].legend(fontsize=7)
+  fig.suptitle(title + "\nmarkers: held-out greedy evals; faint: training rollouts (sampled, 5-iteration mean)",
+               fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def summarize(result: dict) -> None:
+  runs, warm, min_fit = result["runs"], result["warm_start"], result["min_fit_subagents"]
+  cols = (f"{'iter':>5s} {'F1':>6s} {'wide':>6s} {'deep':>6s} {'sub/ep wide':>11s} {'deep':>5s} "
+          f"{'finish wide':>11s} {'crit.steps':>10s} {'λ1':>6s}")
+  for r in runs:
+    print(f"\n{r['variant']} (seed {r['seed']}, λ1 {r['lambda1']}, λ2 {r['lambda2']}, anneal_steps "
+          f"{r['anneal_steps']}, {r['elapsed_s']:.0f} s): held-out greedy along training")
+    print(cols)
+    train_lambda = {t["iteration"] - 1: t.get("lambda1", float("nan")) for t in r["train"]}
+    for e in r["eval"] + [{"iteration": r["train"][-1]["iteration"], **r["final"]}]:
+      print(f"{e['iteration']:5d} {e['item_f1']:6.3f} {e['wide_f1']:6.3f} {e['deep_f1']:6.3f} "
+            f"{e['wide_subagents']:11.2f} {e['deep_subagents']:5.2f} {e['wide_finish_rate']:11.2f} "
+            f"{e['critical_steps']:10.2f} {train_lambda.get(e['iteration'], float('nan')):6.3f}")
+  print(f"\nfinal held-out metrics ({result['eval_tasks']} tasks, budget {result['budget']}, greedy); "
+        f"minimum sub-agents that fit the budget on the wide tasks: {min_fit:.2f}")
+  print(f"{'policy':>22s} {'F1':>6s} {'wide':>6s} {'deep':>6s} {'sub/ep wide':>11s} {'deep':>5s} "
+        f"{'finish wide':>11s} {'crit.steps':>10s}  serial collapse / spurious parallelism")
+  rows = [("warm start", warm, classify(warm, [], min_fit))] + [
+      (f"{r['variant']} s{r['seed']}", r["final"], r["classification"]) for r in runs]
+  for name, f, c in rows:
+    print(f"{name:>22s} {f['item_f1']:6.3f} {f['wide_f1']:6.3f} {f['deep_f1']:6.3f} {f['wide_subagents']:11.2f} "
+          f"{f['deep_subagents']:5.2f} {f['wide_finish_rate']:11.2f} {f['critical_steps']:10.2f}  "
+          f"{c['serial_collapse']} / {c['spurious_parallelism']}")
+  single = result.get("single_agent")
+  if single:
+    print(f"{'single agent (warm)':>22s} {single['item_f1']:6.3f} {single['wide_f1']:6.3f} {single['deep_f1']:6.3f} "
+          f"{single['wide_subagents']:11.2f} {single['deep_subagents']:5.2f} {'-':>11s} "
+          f"{single['critical_steps']:10.2f}")
+
+
+class _Quiet(pylogging.Filter):
+  def filter(self, record):
+    return record.levelno >= pylogging.WARNING or not any(s in record.pathname for s in ("orbax", "xla_bridge"))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--workdir", help="a finished configs/parl.py run (its warm_start is reused)")
+  parser.add_argument("--iterations", type=int, default=60)
+  parser.add_argument("--seeds", default="0", help="comma-separated rl.seed values")
+  parser.add_argument("--variants", default=",".join(VARIANTS))
+  parser.add_argument("--anneal_fraction", type=float, default=2 / 3)
+  parser.add_argument("--eval_every", type=int, default=10)
+  parser.add_argument("--eval_tasks", type=int, default=0, help="held-out tasks (0: the config's)")
+  parser.add_argument("--log_every", type=int, default=10)
+  parser.add_argument("--set", action="append", default=[], help="section.field=value config override (all runs)")
+  parser.add_argument("--out_dir", default="/tmp/parl_ablation", help="the runs' workdirs")
+  parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "parl_ablation"))
+  parser.add_argument("--from_json", default=None, help="re-summarize and re-plot a saved result")
+  args = parser.parse_args()
+
+  if args.from_json:
+    with open(args.from_json) as f:
+      result = json.load(f)
+  else:
+    if not args.workdir:
+      parser.error("--workdir is required (or --from_json)")
+    logging.set_verbosity(logging.INFO)
+    pylogging.getLogger("absl").addFilter(_Quiet())
+    start = time.perf_counter()
+    runs = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+      for variant in args.variants.split(","):
+        runs.append(run_one(variant, seed, args))
+    config = make_config("annealed", 0, args.out_dir, args)
+    min_fit = min_fit_subagents(config)
+    for r in runs:
+      r["classification"] = classify(r["final"], r["eval"], min_fit)
+    rows = runs[0]["final_rows"]
+    result = {"source_workdir": os.path.abspath(args.workdir), "iterations": args.iterations,
+              "anneal_fraction": args.anneal_fraction, "budget": config.parl.budget,
+              "eval_tasks": config.parl.eval_tasks, "min_fit_subagents": min_fit, "overrides": args.set,
+              "warm_start": point(rows["swarm (warm start)"]), "single_agent": point(rows["single agent (warm start)"]),
+              "runs": runs, "elapsed_s": time.perf_counter() - start}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+      json.dump(result, f, indent=1)
+  summarize(result)
+  out = args.out if not args.from_json else os.path.splitext(args.from_json)[0]
+  seeds = sorted({r["seed"] for r in result["runs"]})
+  plot(result["runs"], result["min_fit_subagents"], out + ".png",
+       f"PARL ablation from {result['source_workdir']}/warm_start: λ1/λ2 annealed, constant, zero; "
+       f"{result['iterations']} iterations, seeds {seeds}")
+  if "elapsed_s" in result:
+    print(f"elapsed {result['elapsed_s']:.0f} s")
+  print(f"wrote {out}.json and {out}.png" if not args.from_json else f"wrote {out}.png")
+
+
+if __name__ == "__main__":
+  main()
