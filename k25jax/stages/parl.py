@@ -55,7 +55,7 @@ def policies(config, model_cfg, orch_params, sub_params, *, greedy: bool, solo: 
 
 
 def play(config, model_cfg, orch_params, sub_params, tasks, *, greedy: bool, solo: bool = False, seed: int = 0):
-  """Plays one episode per task; returns (results, the runtime, wall seconds)."""
+  """Plays one episode per task (the orchestrator sampled, or greedy); returns (results, runtime, wall s)."""
   runtime = swarm.Swarm(policies(config, model_cfg, orch_params, sub_params, greedy=greedy, solo=solo), seed)
   start = time.perf_counter()
   results = runtime.run([widesearch.Episode(t, budget=config.parl.budget) for t in tasks])
@@ -150,13 +150,16 @@ def make_step(config, model: transformer.Transformer, tx):
 
 
 def evaluate_all(config, model_cfg, orch, sub, warm, tasks) -> dict[str, dict]:
-  """Held-out metrics of the trained swarm, and of the warm-start model as swarm and as single agent."""
+  """Held-out metrics of the trained swarm and of the warm-start model, as a swarm and as a
+  single agent; each sampled as in training (temperature `rl.temperature`) and greedy."""
   rows = {}
   for name, params, solo in (("swarm (trained)", orch, False), ("swarm (warm start)", warm, False),
                              ("single agent (warm start)", warm, True)):
-    play(config, model_cfg, params, sub, tasks, greedy=True, solo=solo)   # compile: time the second run
-    results, runtime, wall = play(config, model_cfg, params, sub, tasks, greedy=True, solo=solo)
-    rows[name] = {**summarize(results, wall), "device_calls": float(sum(runtime.device_calls.values()))}
+    for greedy in (False, True):
+      play(config, model_cfg, params, sub, tasks, greedy=greedy, solo=solo)   # compile: time the second run
+      results, runtime, wall = play(config, model_cfg, params, sub, tasks, greedy=greedy, solo=solo)
+      label = f"{name}, {'greedy' if greedy else 'sampled'}"
+      rows[label] = {**summarize(results, wall), "device_calls": float(sum(runtime.device_calls.values()))}
   return rows
 
 
@@ -185,7 +188,7 @@ def run(config: ml_collections.ConfigDict, workdir: str):
     first = int(state.step) // rl.minibatches
     for it in range(first, rl.iterations):
       if it % rl.eval_every == 0:
-        results, _, wall = play(config, model_cfg, state.params, sub, eval_tasks, greedy=True)
+        results, _, wall = play(config, model_cfg, state.params, sub, eval_tasks, greedy=False, seed=p.eval_seed)
         ev = summarize(results, wall)
         logging.info("parl eval at iteration %d: Item-F1 %.3f (wide %.3f, deep %.3f)  sub-agents %.2f "
                      "(wide %.2f, deep %.2f)  critical steps %.2f", it, ev["item_f1"], ev.get("wide/item_f1", 0),
@@ -227,12 +230,12 @@ def run(config: ml_collections.ConfigDict, workdir: str):
 
 
 def print_summary(rows: dict[str, dict], budget: int, n_tasks: int) -> None:
-  print(f"\nPARL summary: {n_tasks} held-out tasks, budget {budget} critical steps, greedy decoding")
-  header = (f"{'policy':28s} {'Item-F1':>8s} {'wide F1':>8s} {'deep F1':>8s} {'success':>8s} "
+  print(f"\nPARL summary: {n_tasks} held-out tasks, budget {budget} critical steps")
+  header = (f"{'policy':38s} {'Item-F1':>8s} {'wide F1':>8s} {'deep F1':>8s} {'success':>8s} "
             f"{'sub-agents':>10s} {'(wide)':>7s} {'(deep)':>7s} {'crit. steps':>11s} {'wall s':>7s}")
   print(header)
   for name, r in rows.items():
-    print(f"{name:28s} {r['item_f1']:8.3f} {r.get('wide/item_f1', float('nan')):8.3f} "
+    print(f"{name:38s} {r['item_f1']:8.3f} {r.get('wide/item_f1', float('nan')):8.3f} "
           f"{r.get('deep/item_f1', float('nan')):8.3f} {r['success']:8.3f} {r['num_created']:10.2f} "
           f"{r.get('wide/num_created', float('nan')):7.2f} {r.get('deep/num_created', float('nan')):7.2f} "
           f"{r['critical_steps']:11.2f} {r['wall_s']:7.1f}")
