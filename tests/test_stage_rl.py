@@ -70,3 +70,24 @@ def test_rl_raises_held_out_accuracy(tmp_path):
   restored = checkpoint.Checkpoints(str(tmp_path), keep=1).restore_params(target)
   for key, value in traverse_util.flatten_dict(restored).items():
     np.testing.assert_array_equal(value, traverse_util.flatten_dict(state.params)[key])
+
+
+@pytest.mark.slow
+def test_toggle_run_fixes_its_budgets_once_and_resumes_with_them(tmp_path):
+  config = load_config("configs/rl.py", "tiny,toggle")
+  config.warm_start.update(steps=60, demonstrations=2000)
+  config.warm_start.optimizer.update(warmup_steps=10, decay_steps=20)
+  config.task.train_prompts = 64
+  config.rl.update(iterations=3, prompts_per_iteration=8, eval_every=3, checkpoint_every=2)
+  config.toggle.m = 1
+  _, history = rl.run(config, str(tmp_path))
+  budgets = np.load(tmp_path / "toggle_budgets.npy")
+  assert budgets.shape == (64,) and np.all(budgets > 0)
+  phases = [h["toggle_phase"] for h in history if h["split"] == "train"]
+  assert phases == [0, 1, 0]
+  config.rl.iterations = 4                     # resume from iteration 3: same budgets, not re-estimated
+  np.save(tmp_path / "toggle_budgets.npy", budgets + 1000)
+  _, resumed = rl.run(config, str(tmp_path))
+  assert [h["iteration"] for h in resumed if h["split"] == "train"] == [4]
+  assert [h["toggle_phase"] for h in resumed if h["split"] == "train"] == [1]
+  np.testing.assert_array_equal(np.load(tmp_path / "toggle_budgets.npy"), budgets + 1000)

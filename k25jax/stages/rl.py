@@ -136,6 +136,17 @@ def toggle_budgets(config, model_cfg, params, task, sampling) -> np.ndarray:
                                           config.toggle.rho, num_prompts=len(rows)), np.float32)
 
 
+def fixed_budgets(config, model_cfg, params, task, sampling, workdir: str) -> np.ndarray:
+  """Toggle's budgets, estimated once: from the warm start on the first run, read back on a resume."""
+  path = os.path.join(workdir, "toggle_budgets.npy")
+  if os.path.exists(path):
+    return np.load(path)
+  budgets = toggle_budgets(config, model_cfg, params, task, sampling)
+  if jax.process_index() == 0:
+    np.save(path, budgets)
+  return budgets
+
+
 def shape_rewards(config, iteration: int, samples: dict, budgets: np.ndarray, rows: np.ndarray) -> tuple:
   """Toggle's gated reward in phase 0, the plain reward otherwise. Returns (rewards, phase)."""
   reward = samples["reward"]
@@ -198,7 +209,7 @@ def run(config: ml_collections.ConfigDict, workdir: str):
     state = checkpoints.restore_latest(checkpoint.abstract_target(nn.meta.unbox(abstract), shardings))
     if state is None:
       state = create(warm_start(config, model, task, mesh, workdir))
-    budgets = (toggle_budgets(config, model_cfg, state.params, task, sampling) if config.toggle.enabled
+    budgets = (fixed_budgets(config, model_cfg, state.params, task, sampling, workdir) if config.toggle.enabled
                else np.zeros(len(task.train["tokens"]), np.float32))
     train_step = make_step(config, model, tx)
     eval_rng = jax.random.PRNGKey(rl.seed + 1)
