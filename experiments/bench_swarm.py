@@ -47,7 +47,7 @@ from k25jax.rl import sampler
 from k25jax.stages import parl
 from k25jax.train import checkpoint, config_utils, sharding
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 LAYOUTS = ((1, 1), (1, 4), (2, 8), (16, 1))   # (episodes, sub-agents per episode)
 
 

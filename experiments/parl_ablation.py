@@ -55,7 +55,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 from k25jax.agents import widesearch  # noqa: E402
 from k25jax.stages import parl  # noqa: E402
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 VARIANTS = ("annealed", "constant", "zero")
 COLORS = {"annealed": "tab:blue", "constant": "tab:orange", "zero": "tab:green"}
 MARKER = ".parl_ablation"     # marks a workdir this script made (and may delete)

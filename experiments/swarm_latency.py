@@ -45,7 +45,7 @@ from k25jax.model import transformer  # noqa: E402
 from k25jax.stages import parl  # noqa: E402
 from k25jax.train import checkpoint, config_utils, sharding  # noqa: E402
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 COLORS = {"swarm": "tab:blue", "single": "tab:red", "swarm (warm start)": "tab:gray"}
 
 
