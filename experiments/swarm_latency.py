@@ -9,7 +9,11 @@ DIR/warm_start. For every CriticalSteps budget B, the same held-out WIDE tasks (
 --n_range, fixed --seed, none of them a training task) are played greedily by
 * swarm:  the trained orchestrator with the frozen sub-agents,
 * single: the warm-start model with `create`/`assign` banned (`parl.play(solo=True)`),
-* (--warm_swarm) the warm-start model as orchestrator, untrained.
+* (--warm_swarm) the warm-start model as orchestrator, untrained;
+* (--scripted) references with no model: the scripted single agent (`solo_policy`:
+  one search per step, answers when done or stopped) and the scripted swarm
+  (`ScriptedOrchestrator(8)`: n sub-agents of one entity each, scripted too), i.e. the
+  environment's own steps-vs-F1 curves (no device calls, so no latency).
 Per (policy, B): Item-F1, success, sub-agents and critical steps used per episode; wall
 time of the whole batch (the second of two runs: the first compiles); and the latency of
 one episode played alone (the runtime still batches that episode's sub-agents), the mean
@@ -46,7 +50,9 @@ from k25jax.stages import parl  # noqa: E402
 from k25jax.train import checkpoint, config_utils, sharding  # noqa: E402
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-COLORS = {"swarm": "tab:blue", "single": "tab:red", "swarm (warm start)": "tab:gray"}
+COLORS = {"swarm": "tab:blue", "single": "tab:red", "swarm (warm start)": "tab:gray",
+          "swarm (scripted)": "tab:cyan", "single (scripted)": "tab:pink"}
+SCRIPTED = {"swarm (scripted)": 8, "single (scripted)": 0}     # ScriptedOrchestrator(k)
 
 
 def load_config():
@@ -100,13 +106,25 @@ def measure(config, model_cfg, orch, sub, tasks, *, solo: bool, latency_tasks: i
   return point
 
 
+def measure_scripted(tasks, k: int, budget: int) -> dict:
+  """A reference point: scripted orchestrator (k sub-agents) and scripted sub-agents, no model."""
+  start = time.perf_counter()
+  results = [widesearch.run_episode(t, widesearch.ScriptedOrchestrator(k), budget=budget) for t in tasks]
+  point = parl.summarize(results, time.perf_counter() - start)
+  point.update(device_calls=0.0, overflows=0, episodes=len(results), latency_s=float("nan"),
+               latency_median_s=float("nan"), calls_per_episode_alone=0.0,
+               finish_rate=point["num_finished"] / max(point["num_assigned"], 1e-9))
+  return point
+
+
 def reach(points: list[dict], target: float) -> dict:
   """The cheapest budget point at which item_f1 >= target, by critical steps and by latency."""
   hit = [p for p in points if p["item_f1"] >= target]
   if not hit:
     return {"reached": False}
   by_steps = min(hit, key=lambda p: (p["critical_steps"], p["latency_s"]))
-  by_time = min(hit, key=lambda p: p["latency_s"])
+  timed = [p for p in hit if np.isfinite(p["latency_s"])]
+  by_time = min(timed, key=lambda p: p["latency_s"]) if timed else {"latency_s": float("nan"), "budget": None}
   return {"reached": True, "critical_steps": by_steps["critical_steps"], "budget": by_steps["budget"],
           "item_f1": by_steps["item_f1"], "latency_s_at_those_steps": by_steps["latency_s"],
           "latency_s": by_time["latency_s"], "budget_by_latency": by_time["budget"]}
@@ -118,11 +136,12 @@ def plot(curves: dict[str, list[dict]], targets: list[float], path: str, title: 
     color = COLORS.get(name)
     steps = [p["critical_steps"] for p in points]
     f1 = [p["item_f1"] for p in points]
-    axes[0].plot(steps, f1, "o-", color=color, label=name)
+    axes[0].plot(steps, f1, "o--" if name in SCRIPTED else "o-", color=color, label=name, ms=4)
     for p in points:
       axes[0].annotate(f"B{p['budget']}", (p["critical_steps"], p["item_f1"]), fontsize=7, color=color,
                        textcoords="offset points", xytext=(3, -9))
-    axes[1].plot([1e3 * p["latency_s"] for p in points], f1, "o-", color=color, label=name)
+    if name not in SCRIPTED:
+      axes[1].plot([1e3 * p["latency_s"] for p in points], f1, "o-", color=color, label=name)
   for ax in axes:
     for t in targets:
       ax.axhline(t, color="k", lw=0.5, ls=":")
@@ -147,6 +166,7 @@ def main():
   parser.add_argument("--latency_tasks", type=int, default=16)
   parser.add_argument("--targets", default="0.5,0.7,0.8,0.9")
   parser.add_argument("--warm_swarm", action="store_true", help="also the untrained (warm-start) swarm")
+  parser.add_argument("--scripted", action="store_true", help="also the scripted single agent and swarm")
   parser.add_argument("--set", action="append", default=[], help="section.field=value config override")
   parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "swarm_latency"))
   args = parser.parse_args()
@@ -167,14 +187,18 @@ def main():
     policies = {"swarm": (trained, False), "single": (warm, True)}
     if args.warm_swarm:
       policies["swarm (warm start)"] = (warm, False)
-    curves = {name: [] for name in policies}
+    curves = {name: [] for name in [*policies, *(SCRIPTED if args.scripted else ())]}
     print(f"{'policy':>18s} {'B':>3s} {'Item-F1':>7s} {'success':>7s} {'sub-agents':>10s} {'crit.steps':>10s} "
           f"{'batch wall s':>12s} {'latency ms':>10s} {'calls/ep':>8s} {'overflows':>9s}")
     for budget in budgets:
       config.parl.budget = budget
-      for name, (orch, solo) in policies.items():
-        point = {"budget": budget, **measure(config, model_cfg, orch, sub, tasks, solo=solo,
-                                             latency_tasks=args.latency_tasks)}
+      for name in curves:
+        if name in SCRIPTED:
+          point = {"budget": budget, **measure_scripted(tasks, SCRIPTED[name], budget)}
+        else:
+          orch, solo = policies[name]
+          point = {"budget": budget, **measure(config, model_cfg, orch, sub, tasks, solo=solo,
+                                               latency_tasks=args.latency_tasks)}
         curves[name].append(point)
         print(f"{name:>18s} {budget:3d} {point['item_f1']:7.3f} {point['success']:7.3f} "
               f"{point['num_created']:10.2f} {point['critical_steps']:10.2f} {point['wall_s']:12.3f} "
@@ -201,6 +225,13 @@ def main():
           f"{row.get('steps_ratio_single_over_swarm', float('nan')):6.2f} "
           f"{cell(s, 'latency_s', 1e3, '{:.1f}'):>12s} {cell(o, 'latency_s', 1e3, '{:.1f}'):>12s} "
           f"{row.get('latency_ratio_single_over_swarm', float('nan')):6.2f}")
+  if args.scripted:
+    print("scripted references (no model): critical steps to reach the target")
+    for row in table:
+      s, o = row["swarm (scripted)"], row["single (scripted)"]
+      ratio = o["critical_steps"] / s["critical_steps"] if s["reached"] and o["reached"] else float("nan")
+      row["scripted_steps_ratio_single_over_swarm"] = ratio
+      print(f"{row['target']:6.2f} {cell(s, 'critical_steps'):>12s} {cell(o, 'critical_steps'):>12s} {ratio:6.2f}")
   elapsed = time.perf_counter() - start
   print(f"elapsed {elapsed:.0f} s")
 
