@@ -43,8 +43,8 @@ def get_config(arg=None):
   c.parl = ml_collections.ConfigDict(dict(
       budget=4,                    # CriticalSteps budget per episode (truncates, never zeroes)
       deep_fraction=0.25,          # share of deep (sequential) tasks, where spawning cannot help
-      lambda1=0.3, lambda2=0.2,    # weights of r_parallel and r_finish, annealed to 0
-      anneal_steps=80, anneal_kind="linear",
+      lambda1=0.1, lambda2=0.1,    # weights of r_parallel and r_finish, annealed to 0 (at 0.3/0.2 over
+      anneal_steps=60, anneal_kind="linear",   # 80 iterations the swarm also spawned on deep tasks)
       parallel_cap=4,              # r_parallel = min(#sub-agents, cap) / cap
       subagent_checkpoint="",      # frozen sub-agents' checkpoint ('' = the warm start)
       orchestrator_turn_tokens=40, subagent_turn_tokens=20,
