@@ -10,7 +10,7 @@ both roles, then RL of the orchestrator with the K2.5 loss; ends with a summary 
 import ml_collections
 
 from k25jax.agents import dsl
-from k25jax.train.config_utils import model_section
+from k25jax.train.config_utils import adamw_section, model_section
 
 PRESETS = ("tiny",)
 
@@ -18,12 +18,6 @@ TINY_MODEL = dict(vocab_size=dsl.VOCAB_SIZE, hidden_size=96, intermediate_size=2
                   num_hidden_layers=3, num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2,
                   q_lora_rank=48, kv_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
                   max_position_embeddings=128)
-
-
-def _optimizer(lr, warmup, decay):
-  return ml_collections.ConfigDict(dict(name="adamw", lr=lr, warmup_steps=warmup, decay_steps=decay,
-                                        final_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.0,
-                                        grad_clip=1.0))
 
 
 def get_config(arg=None):
@@ -38,7 +32,7 @@ def get_config(arg=None):
   # the orchestrator's start and the frozen sub-agents (unless parl.subagent_checkpoint).
   c.warm_start = ml_collections.ConfigDict(dict(
       checkpoint="", demonstrations=6000, steps=400, batch=128, seed=0, pack=True, log_every=50,
-      checkpoint_every=200, router_bias_rate=1e-3, optimizer=_optimizer(3e-3, 40, 150)))
+      checkpoint_every=200, router_bias_rate=1e-3, optimizer=adamw_section(3e-3, 40, 150)))
 
   c.parl = ml_collections.ConfigDict(dict(
       budget=4,                    # CriticalSteps budget per episode (truncates, never zeroes)
@@ -56,7 +50,7 @@ def get_config(arg=None):
 
   c.loss = ml_collections.ConfigDict(dict(name="k25", alpha=-0.5, beta=0.5, tau=0.01, normalize="batch",
                                           eps=0.2, eps_high=0.28))
-  c.optimizer = _optimizer(3e-4, 5, 0)
+  c.optimizer = adamw_section(3e-4, 5, 0)
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, sequence=1, tensor=1))
   c.train = ml_collections.ConfigDict(dict(router_bias_rate=1e-3))
   return c

@@ -7,7 +7,7 @@ comma-separated: `toggle` turns Toggle on (`configs/rl.py:tiny,toggle`, or confi
 """
 import ml_collections
 
-from k25jax.train.config_utils import model_section
+from k25jax.train.config_utils import adamw_section, model_section
 
 PRESETS = ("tiny",)
 SWITCHES = ("toggle",)
@@ -16,12 +16,6 @@ TINY_MODEL = dict(vocab_size=17, hidden_size=64, intermediate_size=192, moe_inte
                   num_hidden_layers=2, num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2,
                   q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                   max_position_embeddings=64)
-
-
-def _optimizer(lr, warmup, decay):
-  return ml_collections.ConfigDict(dict(name="adamw", lr=lr, warmup_steps=warmup, decay_steps=decay,
-                                        final_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.0,
-                                        grad_clip=1.0))
 
 
 def get_config(arg=None):
@@ -42,7 +36,7 @@ def get_config(arg=None):
       checkpoint="",             # a workdir with checkpoints of the same model: start from its params
       demonstrations=20000, p_scratch=0.5, p_check=0.5,
       steps=250, batch=128, seed=0, pack=False, log_every=50, checkpoint_every=250, router_bias_rate=1e-3,
-      optimizer=_optimizer(3e-3, 50, 100)))
+      optimizer=adamw_section(3e-3, 50, 100)))
 
   c.rl = ml_collections.ConfigDict(dict(
       iterations=150, prompts_per_iteration=32, num_generations=8, minibatches=2,
@@ -58,7 +52,7 @@ def get_config(arg=None):
   c.toggle = ml_collections.ConfigDict(dict(
       enabled="toggle" in switches, m=5, rho=50.0, accuracy_threshold=0.6, budget_samples=8))
 
-  c.optimizer = _optimizer(2e-4, 5, 0)
+  c.optimizer = adamw_section(2e-4, 5, 0)
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, sequence=1, tensor=1))
   c.train = ml_collections.ConfigDict(dict(router_bias_rate=1e-3))
   return c

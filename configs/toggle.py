@@ -1,13 +1,10 @@
 # python -m k25jax.main --config=configs/toggle.py --workdir=runs/toggle
 """RL with Toggle on: phases of m iterations alternate a length-budgeted reward (phase 0)
 and the plain reward (phase 1). The same as `configs/rl.py:tiny,toggle`."""
-import importlib.util
 import os
 
-_spec = importlib.util.spec_from_file_location("configs_rl", os.path.join(os.path.dirname(__file__), "rl.py"))
-_rl = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_rl)
+from k25jax.train.config_utils import load_config_file
 
 
 def get_config(arg=None):
-  return _rl.get_config(",".join([arg or "tiny", "toggle"]))
+  return load_config_file(os.path.join(os.path.dirname(__file__), "rl.py"), ",".join([arg or "tiny", "toggle"]))

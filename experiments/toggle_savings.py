@@ -24,9 +24,7 @@ Writes `<out>.json` (curves, tables, config) and `<out>.png` (curves along train
 from __future__ import annotations
 
 import argparse
-import ast
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -50,36 +48,13 @@ RUNS = ("plain", "toggle")
 FORMS = {4: "bare", 10: "scratch", 14: "check", 20: "both"}   # completion length (EOS included) → form
 
 
-def load_config(arg: str):
-  spec = importlib.util.spec_from_file_location("rl_config", os.path.join(ROOT, "configs", "rl.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
-
-
-def apply_overrides(config, overrides: list[str]) -> None:
-  for item in overrides:
-    path, _, text = item.partition("=")
-    *sections, field = path.split(".")
-    node = config
-    for name in sections:
-      node = node[name]
-    if field not in node:
-      raise ValueError(f"--set {item}: no field {path!r} in the config")
-    try:
-      value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-      value = text
-    node[field] = type(node[field])(value) if isinstance(node[field], (int, float)) and not isinstance(
-        node[field], bool) else value
-
-
 def make_config(run: str, seed: int, args):
-  config = load_config("tiny,toggle" if run == "toggle" else "tiny")
+  config = config_utils.load_config_file(os.path.join(ROOT, "configs", "rl.py"),
+                                         "tiny,toggle" if run == "toggle" else "tiny")
   config.rl.seed = config.warm_start.seed = config.task.seed = seed
   config.rl.iterations = args.iterations
   config.rl.eval_every = args.eval_every
-  apply_overrides(config, args.set)
+  config_utils.apply_overrides(config, args.set)
   return config
 
 
