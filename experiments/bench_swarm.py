@@ -30,7 +30,6 @@ Writes `<out>.json`. About 1–2 minutes on 2 free cores with the defaults.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -52,10 +51,7 @@ LAYOUTS = ((1, 1), (1, 4), (2, 8), (16, 1))   # (episodes, sub-agents per episod
 
 
 def load_config():
-  spec = importlib.util.spec_from_file_location("parl_config", os.path.join(ROOT, "configs", "parl.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config("tiny")
+  return config_utils.load_config_file(os.path.join(ROOT, "configs", "parl.py"), "tiny")
 
 
 def subagent_params(config, model_cfg, workdir: str | None):

@@ -30,8 +30,6 @@ for the batch shapes of every budget).
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib.util
 import json
 import os
 import time
@@ -56,26 +54,8 @@ SCRIPTED = {"swarm (scripted)": 8, "single (scripted)": 0}     # ScriptedOrchest
 
 
 def load_config():
-  spec = importlib.util.spec_from_file_location("parl_config", os.path.join(ROOT, "configs", "parl.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config("tiny")
+  return config_utils.load_config_file(os.path.join(ROOT, "configs", "parl.py"), "tiny")
 
-
-def apply_overrides(config, overrides: list[str]) -> None:
-  """`section.field=value` pairs (the run's own overrides, if it had any that change the model)."""
-  for item in overrides:
-    path, _, text = item.partition("=")
-    *sections, field = path.split(".")
-    node = config
-    for name in sections:
-      node = node[name]
-    if field not in node:
-      raise ValueError(f"--set {item}: no field {path!r} in the config")
-    try:
-      node[field] = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-      node[field] = text
 
 
 def restore_params(model_cfg, mesh, path: str):
@@ -175,7 +155,7 @@ def main():
   targets = [float(t) for t in args.targets.split(",")]
   n_range = tuple(int(n) for n in args.n_range.split(","))
   config = load_config()
-  apply_overrides(config, args.set)
+  config_utils.apply_overrides(config, args.set)
   model_cfg = config_utils.model_config_from(config.model)
   mesh = sharding.make_mesh(config.mesh.to_dict())
   tasks = widesearch.sample_tasks(args.tasks, args.seed, deep_fraction=0.0, n_range=n_range)
