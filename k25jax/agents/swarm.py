@@ -9,7 +9,7 @@ call (sub-agents share the frozen params, the orchestrator uses the trainable on
 16 sub-agents cost about as many device calls as one agent.
 
 Batches are padded to a few bucket shapes (rows to a power of two, context length to a
-multiple of 16) so the sampler compiles once per bucket, not once per tick. A context
+multiple of 16; a lone agent is decoded as one row) so the sampler compiles once per bucket, not once per tick. A context
 too long for the model gets an empty turn (the environment treats it as truncated) and
 is counted in `overflows`.
 """
@@ -38,7 +38,7 @@ class Policy:
 
 
 def _bucket_rows(n: int) -> int:
-  return max(8, 1 << (n - 1).bit_length())
+  return 1 << (n - 1).bit_length()
 
 
 def _bucket_length(n: int, multiple: int = 16) -> int:
