@@ -32,7 +32,6 @@ import numpy as np
 
 from k25jax.model import attention as model_attention
 from k25jax.model import config as model_config
-from k25jax.model import moe as model_moe
 from pallas_kernels import mla_attention, mla_decode, moe
 
 # Problem sizes per preset: (accelerator, CPU).

@@ -19,7 +19,6 @@ import json
 import time
 
 import jax
-import jax.numpy as jnp
 import matplotlib
 import numpy as np
 import optax

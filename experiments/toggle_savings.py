@@ -39,7 +39,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
 from k25jax.model import transformer  # noqa: E402
-from k25jax.rl import sampler, tasks  # noqa: E402
+from k25jax.rl import sampler  # noqa: E402
 from k25jax.stages import rl  # noqa: E402
 from k25jax.train import config_utils, sharding  # noqa: E402
 
@@ -189,8 +189,8 @@ def print_table(summary: dict, mean: dict) -> None:
 
 
 def print_mix(seed_results: dict) -> None:
-  print(f"\nresponse forms on the held-out prompts (fraction of 8 samples/prompt; bare 4 / scratch 10 / "
-        f"check 14 / both 20 tokens), and Toggle's budgets from the warm start")
+  print("\nresponse forms on the held-out prompts (fraction of 8 samples/prompt; bare 4 / scratch 10 / "
+        "check 14 / both 20 tokens), and Toggle's budgets from the warm start")
   print(f"{'seed':>5s} {'policy':14s} {'bare':>6s} {'scratch':>8s} {'check':>6s} {'both':>6s} {'acc':>6s}")
   for seed, runs in seed_results.items():
     ws = runs["plain"]["warm_start"]

@@ -4,7 +4,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers import DeepseekV3ForCausalLM
 
 from hf_fixtures import random_hf_model, tiny_hf_config
 from k25jax.convert import hf

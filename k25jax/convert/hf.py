@@ -124,15 +124,17 @@ def _transform(kind: str, x: np.ndarray, heads: int | None = None) -> np.ndarray
 
 
 # -------------------------------------------------------------------------- load
+def _read_config_json(path: str) -> dict:
+  with open(os.path.join(path, "config.json")) as f:
+    return json.load(f)
+
+
 def load_config(path: str, **overrides: Any) -> ModelConfig:
-  with open(os.path.join(path, "config.json")) as f:
-    hf_cfg = json.load(f)
-  return ModelConfig.from_hf_dict(hf_cfg, **overrides)
+  return ModelConfig.from_hf_dict(_read_config_json(path), **overrides)
 
 
-def _quant_group(path: str) -> int:
-  with open(os.path.join(path, "config.json")) as f:
-    hf_cfg = json.load(f)
+def _quant_group(hf_cfg: dict) -> int:
+  """The INT4 group size of a compressed-tensors `quantization_config` (32 if absent)."""
   qc = hf_cfg.get("quantization_config") or hf_cfg.get("text_config", {}).get("quantization_config") or {}
   for group in (qc.get("config_groups") or {}).values():
     size = (group.get("weights") or {}).get("group_size")
@@ -147,7 +149,8 @@ def load(path: str, shardings: Any = None, **overrides: Any):
   overrides: our ModelConfig fields (e.g. moe_impl="dense", param_dtype="bfloat16").
   shardings: optional pytree of `jax.sharding.Sharding` with the params' structure.
   """
-  cfg = load_config(path, **overrides)
+  hf_cfg = _read_config_json(path)
+  cfg = ModelConfig.from_hf_dict(hf_cfg, **overrides)
   expected = {k: tuple(v.shape) for k, v in
               traverse_util.flatten_dict(nn.meta.unbox(transformer.abstract_params(cfg))).items()}
   flat_shardings = (traverse_util.flatten_dict(shardings) if shardings is not None else {})
@@ -156,7 +159,7 @@ def load(path: str, shardings: Any = None, **overrides: Any):
   stacked: dict[tuple, np.ndarray] = {}
   filled: dict[tuple, set] = {}
   quant_parts: dict[str, dict[str, np.ndarray]] = {}
-  group = _quant_group(path)
+  group = _quant_group(hf_cfg)
   source_of: dict[tuple, str] = {}
 
   def finish(key: tuple, value: np.ndarray):

@@ -14,6 +14,7 @@ one by SFT on the task's demonstrations (`warm_start`), saved under workdir/warm
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -119,7 +120,7 @@ def evaluate(model_cfg, params, task, rng, sampling, k: int) -> dict:
   """Sampled accuracy and length on the held-out prompts (k samples each), and greedy accuracy."""
   rows = np.arange(len(task.eval["tokens"]))
   sampled = sample(model_cfg, params, task, task.eval, rows, k, rng, sampling)
-  greedy_cfg = sampler.SamplingConfig(**{**sampling.__dict__, "temperature": 0.0})
+  greedy_cfg = dataclasses.replace(sampling, temperature=0.0)
   greedy = sample(model_cfg, params, task, task.eval, rows, 1, rng, greedy_cfg)
   return {"accuracy": float(sampled["correct"].mean()), "mean_length": float(sampled["length"].mean()),
           "length_correct": float(sampled["length"][sampled["correct"]].mean()) if sampled["correct"].any()
