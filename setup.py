@@ -29,6 +29,7 @@ setup(
         "dev": [
             "pytest",
             "torch==2.13.0",
+            "torchvision==0.28.0",   # transformers' K2.5 image processor (preprocessing parity tests)
             "transformers>=5.13",
             "compressed-tensors",
             "matplotlib",
