@@ -29,7 +29,6 @@ setup(
         "dev": [
             "pytest",
             "torch==2.13.0",
-            "torchvision==0.28.0",   # transformers' K2.5 image processor (preprocessing parity tests)
             "transformers>=5.13",
             "compressed-tensors",
             "matplotlib",
