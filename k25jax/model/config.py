@@ -253,3 +253,230 @@ def yarn_attention_mscale(cfg: ModelConfig) -> float:
     return 1.0
   factor = s["factor"]
   return 1.0 if factor <= 1 else 0.1 * s["mscale_all_dim"] * math.log(factor) + 1.0
+
+
+# ============================================================== K2.5 multimodal
+VISION_OURS = ("dtype", "param_dtype")
+# Released-checkpoint (`vt_*`) spellings of the vision_config fields → ours (transformers' names).
+RELEASED_VISION_NAMES = {
+    "vt_hidden_size": "hidden_size", "vt_num_hidden_layers": "num_hidden_layers",
+    "vt_num_attention_heads": "num_attention_heads", "vt_intermediate_size": "intermediate_size",
+    "init_pos_emb_height": "pos_emb_height", "init_pos_emb_width": "pos_emb_width",
+    "init_pos_emb_time": "pos_emb_time",
+}
+# Released vision_config switches and the only values MoonViT-3D implements.
+RELEASED_VISION_FIXED = {
+    "merge_type": "sd2_tpool", "video_attn_type": "spatial_temporal", "pos_emb_type": "divided_fixed",
+    "mm_projector_type": "patchmerger", "projector_hidden_act": "gelu",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+  """MoonViT-3D's hyper-parameters (transformers' `Kimi_K25VisionConfig` names).
+
+  Fixed by the architecture (not fields): 3 input channels, LayerNorm eps 1e-5, fused qkv
+  and every linear with bias, and the 2-D RoPE over the whole head (18 frequencies per axis
+  at head dim 72).
+  """
+
+  patch_size: int = 14
+  pos_emb_height: int = 16
+  pos_emb_width: int = 16
+  pos_emb_time: int = 4
+  num_attention_heads: int = 4
+  num_hidden_layers: int = 2
+  hidden_size: int = 64
+  intermediate_size: int = 128
+  hidden_act: str = "gelu_pytorch_tanh"
+  merge_kernel_size: tuple[int, int] = (2, 2)
+  rope_theta: float = 10000.0
+  initializer_range: float = 0.02
+  # --- ours
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+
+  def __post_init__(self):
+    object.__setattr__(self, "merge_kernel_size", tuple(int(k) for k in self.merge_kernel_size))
+    self.validate()
+
+  def validate(self) -> None:
+    """Raises ValueError naming the first inconsistent field."""
+    for name in ("patch_size", "pos_emb_height", "pos_emb_width", "pos_emb_time", "num_attention_heads",
+                 "num_hidden_layers", "hidden_size", "intermediate_size"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"VisionConfig.{name} must be a positive int, got {value!r}")
+    if self.hidden_size % self.num_attention_heads:
+      raise ValueError(f"VisionConfig.hidden_size={self.hidden_size} is not divisible by "
+                       f"num_attention_heads={self.num_attention_heads}")
+    if self.head_dim % 4:
+      raise ValueError(f"VisionConfig: head dim {self.head_dim} must be a multiple of 4 "
+                       "(2-D RoPE rotates pairs, half of them by row and half by column)")
+    if self.hidden_size % 2:
+      raise ValueError(f"VisionConfig.hidden_size must be even (sin/cos time embedding), got {self.hidden_size}")
+    if len(self.merge_kernel_size) != 2 or min(self.merge_kernel_size) <= 0:
+      raise ValueError(f"VisionConfig.merge_kernel_size must be two positive ints, got {self.merge_kernel_size}")
+    if self.hidden_act != "gelu_pytorch_tanh":
+      raise ValueError(f"VisionConfig.hidden_act: only 'gelu_pytorch_tanh' is supported, got {self.hidden_act!r}")
+    for name in VISION_OURS:
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"VisionConfig.{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
+
+  @property
+  def head_dim(self) -> int:
+    return self.hidden_size // self.num_attention_heads
+
+  @property
+  def merge_size(self) -> int:
+    """Patches per merged token (kh·kw, 4 for the 2×2 merger)."""
+    return self.merge_kernel_size[0] * self.merge_kernel_size[1]
+
+  def replace(self, **changes: Any) -> "VisionConfig":
+    return dataclasses.replace(self, **changes)
+
+  @classmethod
+  def from_hf_dict(cls, hf: dict, **ours: Any) -> "VisionConfig":
+    """From a `vision_config` dict: transformers' names or the released `vt_*` names."""
+    hf = dict(hf)
+    for released, name in RELEASED_VISION_NAMES.items():
+      if released in hf:
+        hf.setdefault(name, hf.pop(released))
+    for key, supported in RELEASED_VISION_FIXED.items():
+      if key in hf and hf[key] != supported:
+        raise ValueError(f"vision_config.{key}={hf[key]!r} is not supported (only {supported!r})")
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") != "axial":
+      raise ValueError(f"vision_config.rope_parameters: only axial 2-D RoPE, got {rope.get('rope_type')!r}")
+    fields = {f.name for f in dataclasses.fields(cls)} - set(VISION_OURS) - {"rope_theta"}
+    kwargs = {k: v for k, v in hf.items() if k in fields}
+    return cls(**kwargs, rope_theta=float(rope.get("rope_theta", 10000.0)), **ours)
+
+  def to_hf_dict(self) -> dict:
+    """The `vision_config` dict transformers' `Kimi_K25VisionConfig` loads."""
+    skip = VISION_OURS + ("rope_theta",)
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+    out.update(model_type="kimi_k25_vision", merge_kernel_size=list(self.merge_kernel_size),
+               rope_parameters={"rope_type": "axial", "rope_theta": self.rope_theta})
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class K25Config:
+  """Kimi K2.5: the K2 text backbone, MoonViT-3D and the projector (`Kimi_K25Config` names).
+
+  Media placeholders: `image_token_id` (`<|media_pad|>`) and `video_token_id` rows of the
+  token stream are replaced, in order, by projector outputs. `video_token_id` may lie outside
+  the vocabulary (transformers' default 163840 does): placeholders never reach the embedding.
+  """
+
+  text: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  vision: VisionConfig = dataclasses.field(default_factory=VisionConfig)
+  projection_hidden_size: int = 64
+  projection_layer_norm_eps: float = 1e-5
+  image_token_id: int = 4091
+  video_token_id: int = 4092
+  vision_start_token_id: int = 4088
+  vision_end_token_id: int = 4090
+
+  def __post_init__(self):
+    self.validate()
+
+  def __hash__(self):
+    return hash((self.text, self.vision, self.projection_hidden_size, self.projection_layer_norm_eps,
+                 self.media_token_ids, self.vision_start_token_id, self.vision_end_token_id))
+
+  def validate(self) -> None:
+    if not isinstance(self.text, ModelConfig):
+      raise ValueError(f"K25Config.text must be a ModelConfig, got {type(self.text).__name__}")
+    if not isinstance(self.vision, VisionConfig):
+      raise ValueError(f"K25Config.vision must be a VisionConfig, got {type(self.vision).__name__}")
+    if self.projection_hidden_size != self.vision.hidden_size:
+      raise ValueError(f"K25Config.projection_hidden_size={self.projection_hidden_size} must equal "
+                       f"vision.hidden_size={self.vision.hidden_size} (the projector normalises each "
+                       "merged sub-patch)")
+    if not self.projection_layer_norm_eps > 0:
+      raise ValueError(f"K25Config.projection_layer_norm_eps must be positive, got {self.projection_layer_norm_eps}")
+    vocab = self.text.vocab_size
+    for name in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or not 0 <= value < vocab:
+        raise ValueError(f"K25Config.{name} must lie in [0, text.vocab_size={vocab}), got {value!r}")
+    if not isinstance(self.video_token_id, int) or self.video_token_id < 0:
+      raise ValueError(f"K25Config.video_token_id must be a non-negative int, got {self.video_token_id!r}")
+    if self.video_token_id == self.image_token_id:
+      raise ValueError(f"K25Config.video_token_id must differ from image_token_id ({self.image_token_id})")
+
+  @property
+  def media_token_ids(self) -> tuple[int, int]:
+    return (self.image_token_id, self.video_token_id)
+
+  def replace(self, **changes: Any) -> "K25Config":
+    return dataclasses.replace(self, **changes)
+
+  @classmethod
+  def from_hf_dict(cls, hf: dict, **ours: Any) -> "K25Config":
+    """From a K2.5 `config.json`: transformers' layout or the released one (`vt_*` vision names,
+    `media_placeholder_token_id`, `mm_hidden_size`/`projector_ln_eps`).
+
+    ours: ModelConfig fields of ours; `dtype`/`param_dtype` apply to the vision tower too.
+    """
+    if "vision_config" not in hf or "text_config" not in hf:
+      raise ValueError("a K2.5 config.json needs both 'text_config' and 'vision_config'")
+    vision_hf = hf["vision_config"]
+    text = ModelConfig.from_hf_dict(hf["text_config"], **ours)
+    if "tie_word_embeddings" in hf:
+      text = text.replace(tie_word_embeddings=bool(hf["tie_word_embeddings"]))
+    vision = VisionConfig.from_hf_dict(vision_hf, **{k: v for k, v in ours.items() if k in VISION_OURS})
+    image_id = hf.get("image_token_id", hf.get("media_placeholder_token_id", 163605))
+    return cls(
+        text=text, vision=vision,
+        projection_hidden_size=hf.get("projection_hidden_size") or vision.hidden_size,
+        projection_layer_norm_eps=float(hf.get("projection_layer_norm_eps",
+                                               vision_hf.get("projector_ln_eps", 1e-5))),
+        image_token_id=int(image_id), video_token_id=int(hf.get("video_token_id", 163840)),
+        vision_start_token_id=int(hf.get("vision_start_token_id", 163602)),
+        vision_end_token_id=int(hf.get("vision_end_token_id", 163604)))
+
+  def to_hf_dict(self) -> dict:
+    """The `config.json` dict transformers' `Kimi_K25Config` loads."""
+    text = self.text.to_hf_dict()
+    text.pop("architectures", None)
+    return {
+        "architectures": ["Kimi_K25ForConditionalGeneration"], "model_type": "kimi_k25",
+        "text_config": text, "vision_config": self.vision.to_hf_dict(),
+        "projection_hidden_size": self.projection_hidden_size,
+        "projection_layer_norm_eps": self.projection_layer_norm_eps,
+        "image_token_id": self.image_token_id, "video_token_id": self.video_token_id,
+        "vision_start_token_id": self.vision_start_token_id,
+        "vision_end_token_id": self.vision_end_token_id,
+        "tie_word_embeddings": self.text.tie_word_embeddings, "dtype": self.text.param_dtype,
+    }
+
+
+def _k25_vision() -> VisionConfig:
+  return VisionConfig(patch_size=14, pos_emb_height=64, pos_emb_width=64, pos_emb_time=4,
+                      num_attention_heads=16, num_hidden_layers=27, hidden_size=1152,
+                      intermediate_size=4304, merge_kernel_size=(2, 2), rope_theta=10000.0,
+                      dtype="bfloat16", param_dtype="bfloat16")
+
+
+def _k25_multimodal() -> K25Config:
+  return K25Config(text=_k25(), vision=_k25_vision(), projection_hidden_size=1152,
+                   image_token_id=163605, video_token_id=163840, vision_start_token_id=163602,
+                   vision_end_token_id=163604)
+
+
+K25_PRESETS = {"tiny": K25Config, "k25": _k25_multimodal}
+
+
+def k25_preset(name: str, **overrides: Any) -> K25Config:
+  """`k25_preset("tiny" | "k25", **field_overrides)`: the multimodal model's config.
+
+  tiny: the tiny text backbone + a 2-layer, width-64 MoonViT-3D (16×16 position table),
+  media ids at the top of the 4096-token vocabulary. k25: the released Kimi K2.5.
+  """
+  if name not in K25_PRESETS:
+    raise ValueError(f"unknown K2.5 preset {name!r}; choose from {sorted(K25_PRESETS)}")
+  base = K25_PRESETS[name]()
+  return base.replace(**overrides) if overrides else base

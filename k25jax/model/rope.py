@@ -75,3 +75,30 @@ def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray,
   even, odd = pairs[..., 0], pairs[..., 1]
   rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
   return rotated.reshape(x.shape).astype(x.dtype)
+
+
+def rotate_adjacent_pairs(x: jnp.ndarray, angles: jnp.ndarray) -> jnp.ndarray:
+  """Rotates each adjacent channel pair (2k, 2k+1) of x by its own angle, in float32.
+
+  Args:
+    x: [..., seq, heads, dim].
+    angles: [..., seq, dim/2], one angle per pair (broadcast over heads).
+  """
+  cos = jnp.cos(angles)[..., None, :]
+  sin = jnp.sin(angles)[..., None, :]
+  pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
+  even, odd = pairs[..., 0], pairs[..., 1]
+  rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+  return rotated.reshape(x.shape).astype(x.dtype)
+
+
+def vision_rope_angles(rows: jnp.ndarray, cols: jnp.ndarray, head_dim: int, theta: float) -> jnp.ndarray:
+  """MoonViT's 2-D RoPE angles: pair slot 2i turns by col·θ_i, slot 2i+1 by row·θ_i.
+
+  θ_i = theta^(−4i/head_dim), i < head_dim/4 (18 frequencies per axis at head dim 72).
+  rows, cols: [n] patch coordinates → angles [n, head_dim/2].
+  """
+  inv_freq = 1.0 / theta ** (np.arange(0, head_dim // 2, 2, dtype=np.float32) / (head_dim // 2))
+  col_angles = cols.astype(jnp.float32)[:, None] * inv_freq
+  row_angles = rows.astype(jnp.float32)[:, None] * inv_freq
+  return jnp.stack([col_angles, row_angles], axis=-1).reshape(rows.shape[0], head_dim // 2)

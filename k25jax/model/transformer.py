@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from k25jax.model import media as media_lib
 from k25jax.model.attention import MLA
 from k25jax.model.config import ModelConfig
 from k25jax.model.layers import MLP, RMSNorm, dtype_of, normal_init
@@ -56,12 +57,16 @@ class Transformer(nn.Module):
   @nn.compact
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None, *, cache: list[dict] | None = None,
-               return_hidden: bool = False):
+               return_hidden: bool = False, media: tuple[jax.Array, jax.Array] | None = None):
     """tokens: int32 [batch, seq]; positions default to 0..seq-1; segment_ids: 0 = padding.
 
     With `cache` (from `attention.init_cache`), runs the latent-cache decode path: the
     tokens are written at slots `positions` and attend to slots ≤ their position;
     aux["cache"] holds the updated cache.
+
+    media = (features [n, hidden], mask bool [batch, seq]): the masked (placeholder) embeddings
+    are replaced in row-major order by the feature rows (`media.splice`); placeholder ids
+    never reach the embedding table, so they may lie outside the vocabulary.
     """
     cfg = self.cfg
     if tokens.ndim != 2:
@@ -74,7 +79,11 @@ class Transformer(nn.Module):
                      param_dtype=dtype_of(cfg.param_dtype), name="embed_tokens",
                      embedding_init=nn.with_logical_partitioning(normal_init(cfg.initializer_range),
                                                                  ("vocab", "embed")))
-    h = nn.with_logical_constraint(embed(tokens), ACTIVATION)
+    if media is None:
+      h = embed(tokens)
+    else:
+      h = media_lib.splice(embed(jnp.where(media[1], 0, tokens)), *media)
+    h = nn.with_logical_constraint(h, ACTIVATION)
     max_logits, loads, balance, new_cache = [], [], [], []
     for i in range(cfg.num_hidden_layers):
       h, layer_max, moe_aux, layer_cache = DecoderLayer(cfg, cfg.is_moe_layer(i), name=f"layers_{i}")(

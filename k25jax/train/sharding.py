@@ -34,6 +34,17 @@ RULES = (
     ("exp", "expert"),
     ("moe_mlp", "tensor"),
     ("norm", None),
+    # MoonViT-3D and the projector
+    ("vit_embed", "fsdp"),
+    ("vit_heads", "tensor"),
+    ("vit_mlp", "tensor"),
+    ("vit_head_dim", None),
+    ("vit_qkv", None),
+    ("vit_patch", None),
+    ("vit_pos", None),
+    ("vit_norm", None),
+    ("mm_in", "fsdp"),
+    ("mm_hidden", "tensor"),
     # ---- activations
     ("activation_batch", BATCH_AXES),
     ("activation_length", "sequence"),

@@ -1,0 +1,44 @@
+"""Media placeholders in the token stream: counting them, checking them, splicing features in.
+
+A K2.5 prompt carries each media item as `<|media_begin|>image<|media_content|>` +
+N × placeholder + `<|media_end|>`, N = `vision.num_media_tokens(grid)`. The projector's
+output rows replace the placeholder embeddings IN ORDER: the j-th placeholder of the batch
+(row-major over [batch, seq]) takes feature row j. Positions stay 1-D.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def placeholder_mask(tokens, media_token_ids: Sequence[int]):
+  """bool [batch, seq]: where tokens is one of the placeholder ids (numpy in, numpy out)."""
+  xp = np if isinstance(tokens, np.ndarray) else jnp
+  return xp.isin(tokens, xp.asarray(list(media_token_ids), dtype=tokens.dtype))
+
+
+def check_counts(num_placeholders: int, items_tokens: Sequence[int]) -> None:
+  """Raises ValueError unless the placeholders number exactly Σ items_tokens."""
+  expected = int(sum(items_tokens))
+  if int(num_placeholders) != expected:
+    per_item = ", ".join(str(int(n)) for n in items_tokens)
+    raise ValueError(f"the prompt has {int(num_placeholders)} media placeholder tokens but its media "
+                     f"need {expected} ({len(items_tokens)} items: {per_item}); every item needs "
+                     "exactly h·w/4 placeholders, in the order of grid_thw")
+
+
+def splice(h: jax.Array, features: jax.Array, mask: jax.Array) -> jax.Array:
+  """h with the j-th masked row (row-major) replaced by features[j].
+
+  h: [batch, seq, d]; features: [n, d]; mask: bool [batch, seq]. Traced, so a count mismatch
+  cannot raise here (callers check on the host first: `k25.check_media`): placeholders past
+  row n − 1 get zeros, feature rows past the last placeholder are unused.
+  """
+  flat_mask = mask.reshape(-1)
+  index = jnp.cumsum(flat_mask.astype(jnp.int32)) - 1
+  gathered = jnp.take(features, index, axis=0, mode="fill", fill_value=0)
+  out = jnp.where(flat_mask[:, None], gathered.astype(h.dtype), h.reshape(-1, h.shape[-1]))
+  return out.reshape(h.shape)
