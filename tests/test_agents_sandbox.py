@@ -1,0 +1,310 @@
+"""k25jax.agents.sandbox: sessions, limits, the security cases (each contained, host checked), load.
+
+Every security test checks two things: the call fails with a clear error, and the host is
+unharmed (no file created, no process left, the worker's memory bounded, the session usable).
+"""
+import asyncio
+import os
+import signal
+import uuid
+
+import numpy as np
+import pytest
+
+from k25jax.agents.sandbox import Limits, RunResult, SandboxPool
+
+LIMITS = Limits(cpu_s=1, wall_s=2, memory_mb=256, output_bytes=1024, session_cpu_s=30, start_s=60)
+ESCAPE = "np.__builtins__['__import__']"   # real builtins, reached through a module's globals
+SUBCLASS_ESCAPE = ("[c for c in ().__class__.__base__.__subclasses__() "
+                   "if c.__name__ == '_wrap_close'][0].__init__.__globals__")   # os's globals
+
+
+def scene(red_squares: int) -> np.ndarray:
+  """A black 16x40 uint8 image with `red_squares` separate 2x2 red squares on one row."""
+  img = np.zeros((16, 40, 3), np.uint8)
+  for j in range(red_squares):
+    img[2:4, 4 * j:4 * j + 2] = (255, 0, 0)
+  return img
+
+
+def children() -> set[int]:
+  """Process ids of this process's children (a zombie is still one)."""
+  found = set()
+  for task in os.listdir("/proc/self/task"):
+    with open(f"/proc/self/task/{task}/children") as f:
+      found.update(int(pid) for pid in f.read().split())
+  return found
+
+
+def process_group(pgid: int) -> set[int]:
+  members = set()
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        with open(f"/proc/{entry}/stat") as f:
+          fields = f.read().rsplit(")", 1)[1].split()
+      except OSError:
+        continue
+      if int(fields[2]) == pgid:   # field 5 of stat: the process group
+        members.add(int(entry))
+  return members
+
+
+def limits_of(pid: int) -> dict[str, str]:
+  with open(f"/proc/{pid}/limits") as f:
+    lines = f.read().splitlines()[1:]
+  return {line[:26].strip(): line[26:47].strip() for line in lines}
+
+
+@pytest.fixture(scope="module")
+def pool():
+  with SandboxPool(max_sessions=4, limits=LIMITS) as pool:
+    yield pool
+
+
+@pytest.fixture
+def session(pool):
+  before = children()
+  with pool.session(images={"img_1": scene(3)}) as s:
+    yield s
+  assert children() == before, "a worker outlived its session"
+
+
+def assert_refused(result: RunResult, message: str) -> None:
+  assert not result.ok, result
+  assert message in result.error, result.error
+
+
+# ----------------------------------------------------------------- behaviour
+def test_code_sees_images_and_image_ops_and_keeps_state(session):
+  first = session.run("n = count_objects(img_1, 'red')\nprint('objects:', n)")
+  assert first.ok and first.stdout == "objects: 3\n" and first.value is None
+  assert session.run("import image_ops\nimage_ops.count_pixels(img_1, 'red') + n").value == "15"
+  assert session.run("img_1.shape, img_1.dtype").value == "((16, 40, 3), dtype('uint8'))"
+  assert session.run("_[0]").value == "(16, 40, 3)"   # `_` is the last value, as in IPython
+
+
+def test_an_exception_is_reported_with_its_line_and_keeps_state(session):
+  result = session.run("x = 7\ny = x / 0")
+  assert result == RunResult(ok=False, error="ZeroDivisionError: division by zero (line 2)",
+                             cpu_s=result.cpu_s, wall_s=result.wall_s, peak_memory_mb=result.peak_memory_mb)
+  assert session.run("x").value == "7"
+  assert session.run("def f(:").error == "SyntaxError: invalid syntax (line 1)"
+
+
+def test_files_inside_the_working_directory_work_and_are_removed(pool):
+  with pool.session() as s:
+    assert s.run("np.save('a.npy', np.arange(3)); open('b.txt', 'w').write('hi')").ok
+    assert s.run("int(np.load('a.npy').sum()), open('b.txt').read()").value == "(3, 'hi')"
+    work_dir = s.work_dir
+    assert sorted(os.listdir(work_dir)) == ["a.npy", "b.txt"]
+  assert not os.path.exists(os.path.dirname(work_dir))
+
+
+def test_worker_runs_under_kernel_limits(session):
+  session.run("0")
+  limits = limits_of(session.pid)
+  assert limits["Max processes"] == "0" and limits["Max core file size"] == "0"
+  assert int(limits["Max address space"]) < (256 + 400) * 2**20
+  assert int(limits["Max file size"]) == LIMITS.file_mb * 2**20
+  if os.geteuid() == 0:   # root ignores RLIMIT_NPROC: the worker must have dropped to nobody
+    with open(f"/proc/{session.pid}/status") as f:
+      uids = next(line for line in f if line.startswith("Uid:")).split()[1:]
+    assert uids[0] != "0" and len(set(uids)) == 1
+
+
+# ----------------------------------------------------------------- security
+def test_infinite_loop_hits_the_cpu_limit_and_the_next_call_restarts():
+  before = children()
+  with SandboxPool(1, Limits(cpu_s=1, wall_s=30, memory_mb=256)) as pool, pool.session() as s:
+    s.run("x = 1")
+    pid = s.pid
+    result = s.run("while True:\n  pass")
+    assert_refused(result, "cpu-time limit of 1 s per call exceeded")
+    assert "next call starts a new one" in result.error
+    assert s.pid is None and pid not in children()
+    again = s.run("x")
+    assert again.restarted and again.error == "NameError: name 'x' is not defined (line 1)"
+  assert children() == before
+
+
+def test_sleeping_past_the_wall_time_is_killed(session):
+  result = session.run("import time\ntime.sleep(60)")
+  assert_refused(result, "timeout after 2 s (wall-time limit)")
+  assert result.wall_s < 10 and session.run("1 + 1").value == "2"
+
+
+@pytest.mark.parametrize("code, message", [
+    ("import os\nwhile True:\n  os.fork()", "import of 'os' is not allowed"),
+    (f"fork = {SUBCLASS_ESCAPE}['fork']\nwhile True:\n  fork()", "os.fork is not allowed"),
+    (f"{ESCAPE}('os').system(':(){{ :|:& }};:')", "os.system is not allowed"),
+    (f"{ESCAPE}('os').posix_spawn('/bin/sh', ['sh'], {{}})", "os.posix_spawn is not allowed"),
+    (f"{ESCAPE}('subprocess')", "import of 'subprocess' is not allowed"),
+])
+def test_fork_bomb_is_refused_and_no_process_appears(session, code, message):
+  session.run("0")
+  assert_refused(session.run(code), message)
+  assert process_group(session.pid) == {session.pid}   # the worker alone in its group
+  assert children() & process_group(session.pid) == {session.pid}
+
+
+@pytest.mark.parametrize("code", [
+    "a = np.ones(10**10 // 8)",
+    "a = bytearray(10 * 2**30)",
+    "a = [0] * (10**10 // 8)",
+])
+def test_ten_gigabyte_allocation_hits_the_memory_limit(session, code):
+  session.run("kept = 5")
+  result = session.run(code)
+  assert_refused(result, "memory limit of 256 MB exceeded: MemoryError")
+  assert result.peak_memory_mb < 256 + 150   # the worker's resident memory stayed bounded
+  assert session.run("kept").value == "5"   # contained: the session goes on
+
+
+@pytest.mark.parametrize("template", [
+    "open('{path}', 'w').write('x')",
+    "np.save('{path}', np.zeros(3))",
+    f"{ESCAPE}('os').open('{{path}}', 0o101)",
+    "open('../../../../../../..{path}', 'a').write('x')",
+])
+def test_writing_outside_the_working_directory_is_refused(session, template):
+  path = f"/tmp/k25jax_sandbox_escape_{uuid.uuid4().hex}"
+  result = session.run(template.format(path=path))
+  assert_refused(result, "for writing outside the working directory is not allowed")
+  assert not os.path.exists(path) and not os.path.exists(path + ".npy")
+
+
+@pytest.mark.parametrize("code", [
+    "open('/etc/passwd').read()",
+    "np.loadtxt('/etc/passwd', dtype=str, delimiter=':')",
+    "np.fromfile('/etc/passwd', dtype=np.uint8)",
+    "open('../../../../../../../etc/passwd').read()",
+    f"{ESCAPE}('os').open('/etc/passwd', 0)",
+    f"{ESCAPE}('os').listdir('/etc')",
+    "open('../worker.log').read()",   # the host's log beside the working directory
+])
+def test_reading_host_files_is_refused(session, code):
+  result = session.run(code)
+  assert_refused(result, "for reading outside the allowed directories is not allowed")
+  assert "root:" not in result.stdout + (result.value or "")
+
+
+@pytest.mark.parametrize("code, message", [
+    ("import socket\nsocket.create_connection(('127.0.0.1', 80))", "import of 'socket' is not allowed"),
+    (f"{ESCAPE}('socket')", "import of 'socket' is not allowed"),
+    (f"{ESCAPE}('_socket')", "import of '_socket' is not allowed"),
+    ("import urllib.request", "import of 'urllib.request' is not allowed"),
+])
+def test_network_is_refused(session, code, message):
+  assert_refused(session.run(code), message)
+
+
+@pytest.mark.parametrize("code, message", [
+    ("import os", "import of 'os' is not allowed"),
+    ("import sys", "import of 'sys' is not allowed"),
+    ("import ctypes", "import of 'ctypes' is not allowed"),
+    ("import importlib", "import of 'importlib' is not allowed"),
+    ("from numpy import f2py", "import of 'numpy.f2py' is not allowed"),
+    ("__import__('subprocess')", "import of 'subprocess' is not allowed"),
+    ("eval(\"__import__('os')\")", "import of 'os' is not allowed"),
+    ("np.ctypeslib", "import of 'numpy.ctypeslib' is not allowed"),
+    (f"{ESCAPE}('ctypes').CDLL(None)", "ctypes.dlopen is not allowed"),
+    (f"{ESCAPE}('os').kill({os.getpid()}, {int(signal.SIGKILL)})", "os.kill is not allowed"),
+    (f"{ESCAPE}('resource').setrlimit(9, (-1, -1))", "resource.setrlimit is not allowed"),
+    ("(lambda: 0).__code__.replace(co_code=b'')", "code.__new__ is not allowed"),
+])
+def test_modules_off_the_allow_list_and_escapes_are_refused(session, code, message):
+  result = session.run(code)
+  assert_refused(result, message)
+  assert result.blocked   # recorded even though the worker keeps going
+  assert session.run("1 + 1").ok
+
+
+def test_a_caught_refusal_is_still_reported_in_blocked(session):
+  result = session.run("try:\n  import os\nexcept ImportError:\n  pass\n'fine'")
+  assert result.ok and result.value == "'fine'" and result.blocked == ("import of 'os'",)
+
+
+def test_deleting_the_restricted_builtins_does_not_open_imports(session):
+  assert session.run("del __builtins__").ok
+  assert_refused(session.run("import os"), "import of 'os' is not allowed")
+
+
+@pytest.mark.parametrize("code, message", [
+    ("print('x' * 10**7)", "output truncated at 1024 bytes"),
+    ("for i in range(10**5):\n  print(i)", "output truncated at 1024 bytes"),
+    ("'y' * 10**6", "value truncated at 1024 bytes"),
+])
+def test_huge_output_is_truncated(session, code, message):
+  result = session.run(code)
+  assert_refused(result, message)
+  assert len(result.stdout.encode()) <= 1024 and len((result.value or "").encode()) <= 1024
+
+
+# ----------------------------------------------------------------- pool
+def test_closing_the_pool_stops_open_sessions():
+  before = children()
+  pool = SandboxPool(2, LIMITS)
+  s = pool.session().__enter__()
+  s.run("0")
+  work_dir = s.work_dir
+  pool.close()
+  assert children() == before and not os.path.exists(work_dir)
+  with pytest.raises(RuntimeError, match="closed"):
+    pool.session()
+
+
+def test_a_full_pool_waits_for_a_free_slot():
+  order = []
+
+  async def episode(pool, name):
+    async with pool.session():
+      order.append(f"{name} in")
+      await asyncio.sleep(0.05)
+      order.append(f"{name} out")
+
+  async def main():
+    with SandboxPool(max_sessions=1, limits=LIMITS) as pool:
+      await asyncio.gather(episode(pool, "a"), episode(pool, "b"))
+
+  asyncio.run(main())
+  assert order == ["a in", "a out", "b in", "b out"]
+
+
+def test_sixty_four_concurrent_sessions_give_correct_results():
+  before = children()
+
+  async def episode(pool, i):
+    async with pool.session(images={"img_1": scene(i % 9 + 1)}) as s:
+      first = await s.arun("n = count_objects(img_1, 'red')\nprint(n)")
+      second = await s.arun("n * 10")   # state kept between the episode's calls
+      return first, second, s.work_dir
+
+  async def main():
+    with SandboxPool(max_sessions=64, limits=Limits(wall_s=30, memory_mb=256)) as pool:
+      return await asyncio.gather(*(episode(pool, i) for i in range(64)))
+
+  results = asyncio.run(main())
+  for i, (first, second, work_dir) in enumerate(results):
+    assert first.ok and first.stdout == f"{i % 9 + 1}\n", (i, first)
+    assert second.ok and second.value == str((i % 9 + 1) * 10), (i, second)
+    assert not os.path.exists(os.path.dirname(work_dir))
+  assert children() == before
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: Limits(cpu_s=0), "Limits.cpu_s must be a positive number"),
+    (lambda: Limits(output_bytes=10.5), "Limits.output_bytes must be an int"),
+    (lambda: SandboxPool(0), "max_sessions must be a positive int"),
+    (lambda: SandboxPool(1).session(images={"np": scene(1)}), "would hide a name"),
+    (lambda: SandboxPool(1).session(images={"img 1": scene(1)}), "must be a Python identifier"),
+    (lambda: SandboxPool(1).session(images={"img": np.array([object()])}), "bool/int/float array"),
+])
+def test_bad_arguments_name_the_field(make, message):
+  with pytest.raises(ValueError, match=message):
+    make()
+
+
+def test_running_a_session_that_is_not_open_fails_loudly(pool):
+  with pytest.raises(RuntimeError, match="not open"):
+    pool.session().run("1")
