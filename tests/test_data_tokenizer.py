@@ -15,6 +15,14 @@ def test_bytes_round_trip_and_reserved_ids():
   assert {tokenizer.PAD_ID, tok.bos_id, tok.eos_id} == {0, 1, 2}
 
 
+def test_media_tokens_are_optional_and_decode_by_name():
+  assert tokenizer.ByteTokenizer().media is None and tokenizer.ByteTokenizer().vocab_size == 259
+  tok = tokenizer.load("bytes", media=True)
+  assert tuple(tok.media) == (259, 260, 261, 262) and tok.vocab_size == 263
+  assert tok.decode([tok.media.begin, *tok.encode("hi"), tok.media.pad, tok.media.end]) == (
+      "<|media_begin|>hi<|media_pad|><|media_end|>")
+
+
 def write_vocab(path, merges):
   """All 256 single bytes (rank = byte value), then `merges` in rank order."""
   tokens = [bytes([b]) for b in range(256)] + [m.encode() for m in merges]
@@ -30,6 +38,13 @@ def test_bpe_merges_lowest_rank_pair_first(tmp_path):
   assert tok.encode("xbcd") == [ranks[b"x"], ranks[b"bcd"]]
   assert tok.decode(tok.encode("abcd xbcd!\n")) == "abcd xbcd!\n"
   assert tok.bos_id == 260 and tok.eos_id == 261 and tok.vocab_size == 262
+
+
+def test_tiktoken_media_tokens_use_the_released_ids(tmp_path):
+  write_vocab(tmp_path / "v.tiktoken", ["ab"])
+  tok = tokenizer.load("tiktoken", str(tmp_path / "v.tiktoken"), media=True)
+  assert tok.media == (163602, 163603, 163604, 163605) and tok.vocab_size == 163606
+  assert tok.decode([tok.media.begin, *tok.encode("ab"), tok.media.end]) == "<|media_begin|>ab<|media_end|>"
 
 
 def test_pretokenizer_keeps_words_apart(tmp_path):

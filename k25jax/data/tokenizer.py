@@ -3,12 +3,17 @@ tiktoken-format vocabulary (the format of Kimi's `tiktoken.model`).
 
 Packed rows pad with id 0 (`PAD_ID`); padding is never a target (the loss mask is 0
 there), so with a BPE vocabulary id 0 may double as a real token.
+
+With `media=True` a tokenizer also has the four media tokens of K2.5 (`tok.media`,
+see k25jax/data/vision.py): ids 259..262 after the bytes, or the released ids
+163602..163605 with a tiktoken vocabulary. Without it, `tok.media` is None and the
+ids and vocabulary size are unchanged.
 """
 from __future__ import annotations
 
 import base64
 import os
-from typing import Protocol, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 PAD_ID = 0
 
@@ -17,10 +22,37 @@ CL100K_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{
                   r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
+class MediaIds(NamedTuple):
+  """Ids of <|media_begin|>, <|media_content|>, <|media_end|> and <|media_pad|> (the placeholder)."""
+
+  begin: int
+  content: int
+  end: int
+  pad: int
+
+
+MEDIA_TOKENS = MediaIds("<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>")
+K25_MEDIA_IDS = MediaIds(begin=163602, content=163603, end=163604, pad=163605)
+
+
+def decode_with_media(ids: Sequence[int], media: MediaIds | None, decode_run) -> str:
+  """`decode_run` over the runs between media ids, which are written by name."""
+  names = dict(zip(media, MEDIA_TOKENS)) if media else {}
+  out, run = [], []
+  for i in (int(i) for i in ids):
+    if i in names:
+      out += [decode_run(run), names[i]]
+      run = []
+    else:
+      run.append(i)
+  return "".join(out + [decode_run(run)])
+
+
 class Tokenizer(Protocol):
   vocab_size: int
   bos_id: int
   eos_id: int
+  media: MediaIds | None
 
   def encode(self, text: str) -> list[int]: ...
 
@@ -28,18 +60,27 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-  """UTF-8 bytes: byte b ↦ id b + 3; 0 = PAD, 1 = BOS, 2 = EOS; vocab 259."""
+  """UTF-8 bytes: byte b ↦ id b + 3; 0 = PAD, 1 = BOS, 2 = EOS; vocab 259, or 263 with
+  the media tokens at 259..262."""
 
   offset = 3
-  vocab_size = 256 + offset
   bos_id = 1
   eos_id = 2
+
+  def __init__(self, media: bool = False):
+    first = 256 + self.offset
+    self.media = MediaIds(*range(first, first + 4)) if media else None
+    self.vocab_size = first + (4 if media else 0)
 
   def encode(self, text: str) -> list[int]:
     return [b + self.offset for b in text.encode("utf-8")]
 
   def decode(self, ids: Sequence[int]) -> str:
-    return bytes(int(i) - self.offset for i in ids if int(i) >= self.offset).decode("utf-8", "replace")
+    return decode_with_media(ids, self.media, self.decode_bytes)
+
+  def decode_bytes(self, ids: Sequence[int]) -> str:
+    return bytes(int(i) - self.offset for i in ids if self.offset <= int(i) < 256 + self.offset).decode(
+        "utf-8", "replace")
 
 
 def read_tiktoken_ranks(path: str) -> dict[bytes, int]:
@@ -84,7 +125,7 @@ class TiktokenTokenizer:
   the pre-tokenizer pattern). BOS / EOS follow the largest rank unless given."""
 
   def __init__(self, path: str, pattern: str = CL100K_PATTERN, bos_id: int | None = None,
-               eos_id: int | None = None):
+               eos_id: int | None = None, media: bool = False):
     try:
       import regex  # pylint: disable=import-outside-toplevel
     except ImportError as e:
@@ -95,7 +136,8 @@ class TiktokenTokenizer:
     top = max(self.ranks.values())
     self.bos_id = top + 1 if bos_id is None else bos_id
     self.eos_id = top + 2 if eos_id is None else eos_id
-    self.vocab_size = max(top, self.bos_id, self.eos_id) + 1
+    self.media = K25_MEDIA_IDS if media else None
+    self.vocab_size = max(top, self.bos_id, self.eos_id, *(self.media or ())) + 1
     self.cache: dict[bytes, list[int]] = {}
 
   def encode(self, text: str) -> list[int]:
@@ -108,15 +150,17 @@ class TiktokenTokenizer:
     return ids
 
   def decode(self, ids: Sequence[int]) -> str:
-    return b"".join(self.tokens.get(int(i), b"") for i in ids).decode("utf-8", "replace")
+    return decode_with_media(
+        ids, self.media, lambda run: b"".join(self.tokens.get(int(i), b"") for i in run).decode("utf-8", "replace"))
 
 
-def load(name: str, vocab_file: str = "") -> Tokenizer:
-  """`bytes` (default), or `tiktoken` with `vocab_file` a local tiktoken vocabulary."""
+def load(name: str, vocab_file: str = "", media: bool = False) -> Tokenizer:
+  """`bytes` (default), or `tiktoken` with `vocab_file` a local tiktoken vocabulary;
+  `media` adds the media tokens."""
   if name == "bytes":
-    return ByteTokenizer()
+    return ByteTokenizer(media)
   if name == "tiktoken":
     if not vocab_file:
       raise ValueError("data.tokenizer='tiktoken' needs data.vocab_file (a local tiktoken vocabulary)")
-    return TiktokenTokenizer(vocab_file)
+    return TiktokenTokenizer(vocab_file, media=media)
   raise ValueError(f"data.tokenizer={name!r}; choose 'bytes' or 'tiktoken'")
