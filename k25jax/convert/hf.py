@@ -3,11 +3,16 @@
     cfg, params = hf.load(path)          # config.json + safetensors (sharded index too)
     hf.save(cfg, params, path)           # a folder `DeepseekV3ForCausalLM.from_pretrained` loads
 
+A K2.5 folder whose config.json has a `vision_config` loads as the multimodal model
+(`K25Config`, params with the vision tower and projector: `k25jax.convert.hf_vision`) unless
+`text_only=True`; `hf.save` of a `K25Config` writes the multimodal checkpoint.
+
 Names understood on load:
 * per-expert tensors `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`;
 * transformers 5.x fused experts `mlp.experts.gate_up_proj` [E, 2f, d] and `mlp.experts.down_proj` [E, d, f];
 * the K2.5 multimodal prefixes `language_model.model.` / `language_model.lm_head.` (released files)
-  and `model.language_model.` (transformers' layout); vision tensors are skipped here;
+  and `model.language_model.` (transformers' layout; `language_model.model.blocks.` as its
+  save_pretrained writes them); vision tensors are skipped here;
 * routed experts in INT4 pack-quantized form (`weight_packed`, `weight_scale`, `weight_shape`),
   dequantized on load (`k25jax.convert.int4`).
 
@@ -19,14 +24,14 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import flax.linen as nn
 import jax
 import numpy as np
 from flax import traverse_util
 
-from k25jax.convert import int4, safetensors_io
+from k25jax.convert import int4, safetensors_io, scan
 from k25jax.model import transformer
 from k25jax.model.config import ModelConfig
 from k25jax.model.layers import dtype_of
@@ -45,7 +50,8 @@ class CheckpointError(ValueError):
 # ------------------------------------------------------------------------ naming
 def normalize_name(name: str) -> str:
   """Maps the multimodal prefixes onto the text model's `model.` / `lm_head.` names."""
-  for prefix, repl in (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+  for prefix, repl in (("language_model.model.blocks.", "model.layers."),
+                       ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
                        ("model.language_model.", "model.")):
     if name.startswith(prefix):
       return repl + name[len(prefix):]
@@ -143,17 +149,33 @@ def _quant_group(hf_cfg: dict) -> int:
   return 32
 
 
-def load(path: str, shardings: Any = None, **overrides: Any):
+def load(path: str, shardings: Any = None, *, text_only: bool = False, **overrides: Any):
   """Reads a HF checkpoint folder → (ModelConfig, params pytree).
 
   overrides: our ModelConfig fields (e.g. moe_impl="dense", param_dtype="bfloat16").
   shardings: optional pytree of `jax.sharding.Sharding` with the params' structure.
+  A K2.5 folder with a `vision_config` gives (K25Config, multimodal params) unless text_only.
   """
   hf_cfg = _read_config_json(path)
+  if "vision_config" in hf_cfg and not text_only:
+    from k25jax.convert import hf_vision  # imports this module: resolved at call time
+    return hf_vision.load(path, hf_cfg, shardings, **overrides)
   cfg = ModelConfig.from_hf_dict(hf_cfg, **overrides)
+  return cfg, load_text_params(path, hf_cfg, cfg, shardings)
+
+
+def load_text_params(path: str, hf_cfg: dict, cfg: ModelConfig, shardings: Any = None,
+                     consume: Callable[[str, Any], bool] | None = None):
+  """The text backbone's params from the folder's safetensors.
+
+  consume(raw_name, file): called first for every tensor; True means it took the tensor
+  (the vision loader's hook), so it is not placed here.
+  """
+  per_layer = cfg.replace(scan_layers=False)   # read per layer; stacked at the end if cfg.scan_layers
   expected = {k: tuple(v.shape) for k, v in
-              traverse_util.flatten_dict(nn.meta.unbox(transformer.abstract_params(cfg))).items()}
-  flat_shardings = (traverse_util.flatten_dict(shardings) if shardings is not None else {})
+              traverse_util.flatten_dict(nn.meta.unbox(transformer.abstract_params(per_layer))).items()}
+  flat_shardings = (traverse_util.flatten_dict(shardings) if shardings is not None and not cfg.scan_layers
+                    else {})
   param_dtype = dtype_of(cfg.param_dtype)
   out: dict[tuple, Any] = {}
   stacked: dict[tuple, np.ndarray] = {}
@@ -217,6 +239,8 @@ def load(path: str, shardings: Any = None, **overrides: Any):
     finish(key, value)
 
   for raw_name, file in safetensors_io.iterate(path):
+    if consume is not None and consume(raw_name, file):
+      continue
     name = normalize_name(raw_name)
     part = name.rsplit(".", 1)
     if len(part) == 2 and part[1] in _QUANT_PARTS:
@@ -240,7 +264,8 @@ def load(path: str, shardings: Any = None, **overrides: Any):
   for key in expected:
     if key not in out:
       raise CheckpointError(f"missing tensor for {'/'.join(key)} (HF name {hf_names(cfg, key)[0]!r})")
-  return cfg, traverse_util.unflatten_dict(out)
+  params = scan.to_layout(cfg, traverse_util.unflatten_dict(out))
+  return jax.device_put(params, shardings) if shardings is not None and cfg.scan_layers else params
 
 
 def _hf_expert_name(key: tuple, expert: int) -> str:
@@ -267,7 +292,10 @@ def hf_names(cfg: ModelConfig, key: tuple) -> list[str]:
 
 
 def to_hf_tensors(cfg: ModelConfig, params) -> Iterator[tuple[str, np.ndarray]]:
-  """Yields (HF name, numpy array) for every param, experts split per expert."""
+  """Yields (HF name, numpy array) for every param, experts split per expert (scanned
+  params are unstacked into their layers first)."""
+  if scan.is_scanned(params):
+    params = scan.unstack_layers(cfg, params)
   flat = traverse_util.flatten_dict(params)
   for key, value in flat.items():
     value = np.asarray(jax.device_get(value))
@@ -287,12 +315,24 @@ def to_hf_tensors(cfg: ModelConfig, params) -> Iterator[tuple[str, np.ndarray]]:
 
 
 def save(cfg: ModelConfig, params, path: str, max_shard_bytes: int = 2 << 30) -> None:
-  """Writes config.json + safetensors shards (+ index when sharded) that transformers loads."""
+  """Writes config.json + safetensors shards (+ index when sharded) that transformers loads.
+
+  A `K25Config` writes the multimodal checkpoint (`hf_vision.save`).
+  """
+  if not isinstance(cfg, ModelConfig):
+    from k25jax.convert import hf_vision  # imports this module: resolved at call time
+    return hf_vision.save(cfg, params, path, max_shard_bytes)
+  write_checkpoint(path, cfg.to_hf_dict(), to_hf_tensors(cfg, params), max_shard_bytes)
+
+
+def write_checkpoint(path: str, hf_config: dict, tensors: Iterator[tuple[str, np.ndarray]],
+                     max_shard_bytes: int = 2 << 30) -> None:
+  """config.json + the (name, array) stream as safetensors shards (+ index when sharded)."""
   os.makedirs(path, exist_ok=True)
   with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(cfg.to_hf_dict(), f, indent=2)
+    json.dump(hf_config, f, indent=2)
   shards, current, size = [], {}, 0
-  for name, value in to_hf_tensors(cfg, params):
+  for name, value in tensors:
     if current and size + value.nbytes > max_shard_bytes:
       shards.append(current)
       current, size = {}, 0
