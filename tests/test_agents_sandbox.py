@@ -11,6 +11,7 @@ import uuid
 import numpy as np
 import pytest
 
+from k25jax.agents import sandbox_confine
 from k25jax.agents.sandbox import Limits, RunResult, SandboxPool
 
 LIMITS = Limits(cpu_s=1, wall_s=2, memory_mb=256, output_bytes=1024, session_cpu_s=30, start_s=60)
@@ -111,6 +112,70 @@ def test_worker_runs_under_kernel_limits(session):
     with open(f"/proc/{session.pid}/status") as f:
       uids = next(line for line in f if line.startswith("Uid:")).split()[1:]
     assert uids[0] != "0" and len(set(uids)) == 1
+
+
+def test_worker_runs_under_landlock_and_seccomp_where_the_kernel_has_them(session):
+  session.run("0")
+  confinement = session.confinement
+  assert confinement["landlock_abi"] == sandbox_confine.landlock_abi()
+  assert confinement["seccomp"] == (os.uname().machine in sandbox_confine.SYSCALLS)
+  with open(f"/proc/{session.pid}/status") as f:
+    status = dict(line.split(":", 1) for line in f)
+  assert status["NoNewPrivs"].strip() == "1"
+  assert status["Seccomp"].strip() == ("2" if confinement["seccomp"] else "0")   # 2: filter mode
+
+
+@pytest.mark.parametrize("machine", sorted(sandbox_confine.SYSCALLS))
+def test_seccomp_program_sends_every_denied_call_to_eperm(machine):
+  program = sandbox_confine.seccomp_program(machine)
+  errno_at = len(program) - 1
+  assert program[errno_at] == (sandbox_confine.BPF_RET_K, 0, 0, sandbox_confine.SECCOMP_RET_ERRNO | 1)
+  assert program[errno_at - 1][3] == sandbox_confine.SECCOMP_RET_ALLOW
+  jumps = {k: i + 1 + jt for i, (code, jt, jf, k) in enumerate(program[4:-2], start=4)}
+  for name, number in sandbox_confine.SYSCALLS[machine].items():
+    assert jumps[number] == errno_at, name
+
+
+KERNEL_PROBE_SETUP = """
+sys = np.__builtins__['__import__']('sys')
+frame = sys._getframe()
+while 'policy' not in frame.f_locals:
+  frame = frame.f_back
+type(frame.f_locals['policy']).__call__ = lambda self, event, args: None   # audit hook off
+os, ctypes = sys.modules['os'], sys.modules['ctypes']
+libc = ctypes.CDLL(None, use_errno=True)
+
+def errno_of(call):
+  try:
+    call()
+  except OSError as e:
+    return e.errno
+  return 0
+"""
+
+
+def test_kernel_layers_hold_when_model_code_disables_the_audit_hook(session):
+  assert session.run(KERNEL_PROBE_SETUP).ok
+  if not session.confinement["landlock_abi"] or not session.confinement["seccomp"]:
+    pytest.skip(f"the kernel lacks Landlock or seccomp here: {session.confinement}")
+  path = f"/tmp/k25jax_sandbox_escape_{uuid.uuid4().hex}"
+  # the audit hook's refusals carry no errno, and it would refuse ctypes.CDLL: an errno or a
+  # libc call shows the kernel answering
+  assert session.run("libc.getpid() == os.getpid()").value == "True"
+  probes = {
+      "read /etc/passwd": ("errno_of(lambda: open('/etc/passwd').read())", 13),
+      "write /tmp": (f"errno_of(lambda: open('{path}', 'w').write('x'))", 13),
+      "list /": ("errno_of(lambda: os.listdir('/'))", 13),
+      "socket": ("libc.socket(2, 1, 0), ctypes.get_errno()", (-1, 1)),
+      "fork": ("errno_of(os.fork)", 1),
+      "exec": ("errno_of(lambda: os.execv('/bin/true', ['true']))", 1),
+      "signal the host": (f"errno_of(lambda: os.kill({os.getpid()}, 0))", 1),
+  }
+  for what, (code, expected) in probes.items():
+    result = session.run(code)
+    assert result.ok and result.value == repr(expected), (what, result)
+  assert not os.path.exists(path)
+  assert session.run("open('inside.txt', 'w').write('ok'), open('inside.txt').read()").value == "(2, 'ok')"
 
 
 # ----------------------------------------------------------------- security

@@ -16,13 +16,18 @@ Each call runs under `Limits` (see there). What is enforced where:
 
 * host side (here): wall time, by killing the worker's process group; the reply size;
   a fresh temporary directory per worker, removed with it; a minimal environment;
-* worker side, by the kernel: CPU time per call (ITIMER_PROF) and per session
-  (RLIMIT_CPU), address space (RLIMIT_AS), no new processes or threads
+* worker side, by the kernel (the real boundary): CPU time per call (ITIMER_PROF) and
+  per session (RLIMIT_CPU), address space (RLIMIT_AS), no new processes or threads
   (RLIMIT_NPROC 0; the worker drops to `nobody` when started as root, where the limit
-  would not bind), file size, open files; no core dumps;
-* worker side, by an audit hook: imports outside the allow-list, opening files outside
-  the working directory (reading: also the NumPy and standard-library directories),
-  sockets, process creation, signals, ctypes, mmap, rlimit changes, file-system changes;
+  would not bind), file size, open files, no core dumps; Landlock (files only beneath
+  the working directory, read-only beneath the NumPy and standard-library directories)
+  and seccomp (no sockets, fork, exec, signals or tracing of other processes, rlimit
+  changes, namespaces): see `sandbox_confine.py`, and `Session.confinement` for what the
+  running kernel provided;
+* worker side, by an audit hook, with clear errors: imports outside the allow-list,
+  opening files outside those directories, sockets, process creation, signals, ctypes,
+  mmap, rlimit changes, file-system changes. Python code can patch it; the kernel
+  layers hold regardless (tested);
 * model-visible builtins: `__import__` limited to the allow-list.
 
 A call that breaks a limit returns ok=False with a clear error. When the worker had to die
@@ -182,8 +187,9 @@ class _Worker:
       ready = self.read_reply(time.monotonic() + self.limits.start_s)
     except TimeoutError:
       ready = None
-    if ready != {"ready": True}:
+    if not ready or ready.get("ready") is not True:
       raise SandboxError(f"the sandbox worker did not start: {self._log_tail()}")
+    self.confinement = {"uid": ready["uid"], **ready["confinement"]}
 
   def _log_tail(self, size: int = 2000) -> str:
     try:
@@ -262,6 +268,12 @@ class Session:
   def pid(self) -> int | None:
     """The process id of the session's worker, None while none runs."""
     return self._worker.proc.pid if self._worker is not None else None
+
+  @property
+  def confinement(self) -> dict | None:
+    """The kernel layers the worker runs under: {"uid", "landlock_abi" (0: none), "seccomp",
+    "unreadable_roots"}; None while no worker runs."""
+    return self._worker.confinement if self._worker is not None else None
 
   @property
   def work_dir(self) -> str | None:

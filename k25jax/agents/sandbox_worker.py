@@ -14,8 +14,12 @@ project off sys.path. Start-up, in order:
 4. set the process limits: RLIMIT_AS = start-up footprint + memory_mb, RLIMIT_NPROC 0 (no
    fork, no thread), RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE 0, and RLIMIT_CPU = the
    session's CPU budget (SIGXCPU, then SIGKILL one second later);
-5. install the audit hook (`AuditPolicy`), which blocks dangerous operations however
-   the code reached them; then say {"ready": true}.
+5. confine the process in the kernel (`sandbox_confine.py`: Landlock keeps file access to
+   the working directory, seccomp refuses sockets, new processes, exec and reaching
+   other processes);
+6. install the audit hook (`AuditPolicy`), which refuses the same operations with clear
+   errors (and imports off the allow-list) however the code reached them; then say
+   {"ready": true, "confinement": ..., "uid": ...}.
 
 Per request {"code": str}: arm a CPU timer (ITIMER_PROF: SIGPROF kills the worker after
 cpu_s of CPU), run the code IPython-style (the value of a final expression is returned
@@ -24,8 +28,9 @@ as its repr), with stdout and stderr captured up to output_bytes, and reply
 
 Model code sees restricted builtins: `__import__` admits only `ALLOWED_MODULES`, and
 input/breakpoint/help/exit/quit are gone. That is the first line only: Python objects lead
-back to real builtins (`np.__builtins__`, `().__class__.__base__.__subclasses__()`), so the
-audit hook and the process limits are the boundary.
+back to real builtins (`np.__builtins__`, `().__class__.__base__.__subclasses__()`), and
+the audit hook, being Python, can be patched from inside the process (tests do it). The
+boundary is the kernel's: the process limits, the unprivileged user, Landlock and seccomp.
 """
 import ast
 import builtins
@@ -44,10 +49,12 @@ ALLOWED_MODULES = (
     "string", "operator", "time", "copy", "dataclasses", "enum", "typing", "warnings",
 )
 DENIED_SUBMODULES = ("numpy.f2py", "numpy.distutils", "numpy.ctypeslib", "numpy.testing")
-PRELOADED = ALLOWED_MODULES[:1] + ALLOWED_MODULES[2:] + (
-    "numpy.linalg", "numpy.fft", "numpy.random", "numpy.polynomial", "numpy.lib.stride_tricks",
+PRELOADED = ALLOWED_MODULES[:1] + ALLOWED_MODULES[2:] + (   # imported at start-up: later imports read no file
+    "numpy.linalg", "numpy.fft", "numpy.random", "numpy.polynomial", "numpy.ma", "numpy.char",
+    "numpy.strings", "numpy.rec", "numpy.lib.stride_tricks", "numpy.lib.format", "numpy.lib.npyio",
     "collections.abc", "linecache", "traceback",   # warnings.showwarning imports linecache
 )
+OPTIONAL_PRELOADED = ("gzip", "bz2", "lzma")   # numpy's file readers try them; a Python build may lack some
 REMOVED_BUILTINS = ("input", "breakpoint", "help", "exit", "quit", "copyright", "credits", "license")
 
 DENIED_EVENTS = frozenset({
@@ -238,11 +245,12 @@ def run_code(code: str, namespace: dict, sandbox_builtins: dict, limits: dict, p
   }
 
 
-def _load_image_ops(path: str):
+def _load_module(name: str, path: str):
+  """Imports the file `path` as module `name` (the project is not on sys.path under -I)."""
   import importlib.util
-  spec = importlib.util.spec_from_file_location("image_ops", path)
+  spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
-  sys.modules["image_ops"] = module
+  sys.modules[name] = module
   spec.loader.exec_module(module)
   return module
 
@@ -252,8 +260,13 @@ def build_namespace(config: dict, policy: AuditPolicy) -> dict:
   import importlib
   for name in PRELOADED:
     importlib.import_module(name)
+  for name in OPTIONAL_PRELOADED:
+    try:
+      importlib.import_module(name)
+    except ImportError:
+      pass
   import numpy as np
-  image_ops = _load_image_ops(config["image_ops_path"])
+  image_ops = _load_module("image_ops", config["image_ops_path"])
   namespace = {"__name__": "__sandbox__", "__builtins__": restricted_builtins(policy), "np": np,
                "image_ops": image_ops}
   namespace.update({name: getattr(image_ops, name) for name in image_ops.__all__})
@@ -304,8 +317,10 @@ def main() -> None:
   if config["uid"] is not None:
     drop_privileges(config["uid"], config["gid"])
   set_limits(config["limits"])
+  confine = _load_module("sandbox_confine", os.path.join(os.path.dirname(__file__), "sandbox_confine.py"))
+  confinement = confine.confine(os.curdir, config["read_roots"])   # the cwd: its parent is not searchable
   sys.addaudithook(policy)
-  _send(replies, {"ready": True})
+  _send(replies, {"ready": True, "confinement": confinement, "uid": os.getuid()})
   while line := requests.readline():
     try:
       code = json.loads(line)["code"]
