@@ -4,9 +4,10 @@ import pytest
 from k25jax.data import chat, tokenizer
 
 
-def test_role_tokens_follow_the_byte_vocabulary():
+def test_role_tokens_follow_the_byte_and_media_vocabulary():
   tok = chat.ChatTokenizer()
-  base = tokenizer.ByteTokenizer()
+  base = tokenizer.ByteTokenizer(media=True)
+  assert tok.media == base.media and tok.vocab_size == 268
   assert tok.vocab_size == base.vocab_size + 5
   assert sorted(tok.special.values()) == list(range(base.vocab_size, tok.vocab_size))
   assert tok.encode("img_1") == base.encode("img_1")

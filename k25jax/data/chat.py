@@ -14,8 +14,9 @@ the model writes an assistant turn's body and its `<|end|>`: those are the only 
 under the loss (mask 1), user text and tool output are context (mask 0). Sampling an
 assistant turn stops at `<|end|>`.
 
-`ChatTokenizer` puts the role tokens after a base tokenizer's vocabulary (the byte
-tokenizer by default, or one with media tokens), so its ids stay unchanged.
+`ChatTokenizer` puts the role tokens after a base tokenizer's vocabulary (by default the
+byte tokenizer with its four media tokens, ids 259..262, so that one vocabulary serves
+text-only and image conversations), leaving the base ids unchanged.
 Parsing never raises on model output: `parse_turn` returns a `Turn` whose `error` is one
 of `TURN_ERRORS` when the turn is malformed (the convention of `k25jax.agents.tools`).
 """
@@ -36,10 +37,12 @@ TURN_ERRORS = (
 
 
 class ChatTokenizer:
-  """`base` (default `ByteTokenizer`) plus the role tokens, ids base.vocab_size + i."""
+  """`base` (default `ByteTokenizer(media=True)`) plus the role tokens, ids base.vocab_size + i.
+  `media` is the base's media ids (None without them)."""
 
   def __init__(self, base: tokenizer_lib.Tokenizer | None = None):
-    self.base = base if base is not None else tokenizer_lib.ByteTokenizer()
+    self.base = base if base is not None else tokenizer_lib.ByteTokenizer(media=True)
+    self.media = getattr(self.base, "media", None)
     start = self.base.vocab_size
     self.special = {name: start + i for i, name in enumerate(ROLE_TOKENS)}
     self.user_id, self.assistant_id, self.tool_id, self.call_id, self.end_id = (
