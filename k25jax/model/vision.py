@@ -226,7 +226,7 @@ class PositionTable(nn.Module):
     cfg = self.cfg
     table = self.param(
         "weight", nn.with_logical_partitioning(nn.initializers.truncated_normal(1.0),
-                                               ("vit_pos", "vit_pos", "vit_embed")),
+                                               ("vit_pos", None, "vit_embed")),
         (cfg.pos_emb_height, cfg.pos_emb_width, cfg.hidden_size), dtype_of(cfg.param_dtype))
     flat = table.reshape(-1, cfg.hidden_size).astype(jnp.float32)
     return jnp.einsum("nk,nkd->nd", pos_weight.astype(jnp.float32), flat[pos_index])
