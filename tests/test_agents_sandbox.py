@@ -71,6 +71,15 @@ def session(pool):
   assert children() == before, "a worker outlived its session"
 
 
+@pytest.fixture(scope="module")
+def shared_session(pool):
+  """One worker for the tests that only read its state (each starts in ~0.3 s; they add up)."""
+  before = children()
+  with pool.session(images={"img_1": scene(3)}) as s:
+    yield s
+  assert children() == before, "a worker outlived its session"
+
+
 def assert_refused(result: RunResult, message: str) -> None:
   assert not result.ok, result
   assert message in result.error, result.error
@@ -102,24 +111,24 @@ def test_files_inside_the_working_directory_work_and_are_removed(pool):
   assert not os.path.exists(os.path.dirname(work_dir))
 
 
-def test_worker_runs_under_kernel_limits(session):
-  session.run("0")
-  limits = limits_of(session.pid)
+def test_worker_runs_under_kernel_limits(shared_session):
+  shared_session.run("0")
+  limits = limits_of(shared_session.pid)
   assert limits["Max processes"] == "0" and limits["Max core file size"] == "0"
   assert int(limits["Max address space"]) < (256 + 400) * 2**20
   assert int(limits["Max file size"]) == LIMITS.file_mb * 2**20
   if os.geteuid() == 0:   # root ignores RLIMIT_NPROC: the worker must have dropped to nobody
-    with open(f"/proc/{session.pid}/status") as f:
+    with open(f"/proc/{shared_session.pid}/status") as f:
       uids = next(line for line in f if line.startswith("Uid:")).split()[1:]
     assert uids[0] != "0" and len(set(uids)) == 1
 
 
-def test_worker_runs_under_landlock_and_seccomp_where_the_kernel_has_them(session):
-  session.run("0")
-  confinement = session.confinement
+def test_worker_runs_under_landlock_and_seccomp_where_the_kernel_has_them(shared_session):
+  shared_session.run("0")
+  confinement = shared_session.confinement
   assert confinement["landlock_abi"] == sandbox_confine.landlock_abi()
   assert confinement["seccomp"] == (os.uname().machine in sandbox_confine.SYSCALLS)
-  with open(f"/proc/{session.pid}/status") as f:
+  with open(f"/proc/{shared_session.pid}/status") as f:
     status = dict(line.split(":", 1) for line in f)
   assert status["NoNewPrivs"].strip() == "1"
   assert status["Seccomp"].strip() == ("2" if confinement["seccomp"] else "0")   # 2: filter mode
@@ -193,6 +202,12 @@ def test_infinite_loop_hits_the_cpu_limit_and_the_next_call_restarts():
   assert children() == before
 
 
+def test_the_session_cpu_budget_is_a_kernel_limit():
+  with SandboxPool(1, Limits(cpu_s=30, wall_s=30, memory_mb=256, session_cpu_s=1)) as pool, pool.session() as s:
+    assert_refused(s.run("while True:\n  pass"), "cpu-time limit of 1 s per session exceeded")
+    assert s.run("1").restarted
+
+
 def test_sleeping_past_the_wall_time_is_killed(session):
   result = session.run("import time\ntime.sleep(60)")
   assert_refused(result, "timeout after 2 s (wall-time limit)")
@@ -206,11 +221,11 @@ def test_sleeping_past_the_wall_time_is_killed(session):
     (f"{ESCAPE}('os').posix_spawn('/bin/sh', ['sh'], {{}})", "os.posix_spawn is not allowed"),
     (f"{ESCAPE}('subprocess')", "import of 'subprocess' is not allowed"),
 ])
-def test_fork_bomb_is_refused_and_no_process_appears(session, code, message):
-  session.run("0")
-  assert_refused(session.run(code), message)
-  assert process_group(session.pid) == {session.pid}   # the worker alone in its group
-  assert children() & process_group(session.pid) == {session.pid}
+def test_fork_bomb_is_refused_and_no_process_appears(shared_session, code, message):
+  shared_session.run("0")
+  assert_refused(shared_session.run(code), message)
+  assert process_group(shared_session.pid) == {shared_session.pid}   # the worker alone in its group
+  assert children() & process_group(shared_session.pid) == {shared_session.pid}
 
 
 @pytest.mark.parametrize("code", [
@@ -218,12 +233,12 @@ def test_fork_bomb_is_refused_and_no_process_appears(session, code, message):
     "a = bytearray(10 * 2**30)",
     "a = [0] * (10**10 // 8)",
 ])
-def test_ten_gigabyte_allocation_hits_the_memory_limit(session, code):
-  session.run("kept = 5")
-  result = session.run(code)
+def test_ten_gigabyte_allocation_hits_the_memory_limit(shared_session, code):
+  shared_session.run("kept = 5")
+  result = shared_session.run(code)
   assert_refused(result, "memory limit of 256 MB exceeded: MemoryError")
   assert result.peak_memory_mb < 256 + 150   # the worker's resident memory stayed bounded
-  assert session.run("kept").value == "5"   # contained: the session goes on
+  assert shared_session.run("kept").value == "5"   # contained: the session goes on
 
 
 @pytest.mark.parametrize("template", [
@@ -232,9 +247,9 @@ def test_ten_gigabyte_allocation_hits_the_memory_limit(session, code):
     f"{ESCAPE}('os').open('{{path}}', 0o101)",
     "open('../../../../../../..{path}', 'a').write('x')",
 ])
-def test_writing_outside_the_working_directory_is_refused(session, template):
+def test_writing_outside_the_working_directory_is_refused(shared_session, template):
   path = f"/tmp/k25jax_sandbox_escape_{uuid.uuid4().hex}"
-  result = session.run(template.format(path=path))
+  result = shared_session.run(template.format(path=path))
   assert_refused(result, "for writing outside the working directory is not allowed")
   assert not os.path.exists(path) and not os.path.exists(path + ".npy")
 
@@ -248,8 +263,8 @@ def test_writing_outside_the_working_directory_is_refused(session, template):
     f"{ESCAPE}('os').listdir('/etc')",
     "open('../worker.log').read()",   # the host's log beside the working directory
 ])
-def test_reading_host_files_is_refused(session, code):
-  result = session.run(code)
+def test_reading_host_files_is_refused(shared_session, code):
+  result = shared_session.run(code)
   assert_refused(result, "for reading outside the allowed directories is not allowed")
   assert "root:" not in result.stdout + (result.value or "")
 
@@ -260,8 +275,8 @@ def test_reading_host_files_is_refused(session, code):
     (f"{ESCAPE}('_socket')", "import of '_socket' is not allowed"),
     ("import urllib.request", "import of 'urllib.request' is not allowed"),
 ])
-def test_network_is_refused(session, code, message):
-  assert_refused(session.run(code), message)
+def test_network_is_refused(shared_session, code, message):
+  assert_refused(shared_session.run(code), message)
 
 
 @pytest.mark.parametrize("code, message", [
@@ -278,16 +293,21 @@ def test_network_is_refused(session, code, message):
     (f"{ESCAPE}('resource').setrlimit(9, (-1, -1))", "resource.setrlimit is not allowed"),
     ("(lambda: 0).__code__.replace(co_code=b'')", "code.__new__ is not allowed"),
 ])
-def test_modules_off_the_allow_list_and_escapes_are_refused(session, code, message):
-  result = session.run(code)
+def test_modules_off_the_allow_list_and_escapes_are_refused(shared_session, code, message):
+  result = shared_session.run(code)
   assert_refused(result, message)
   assert result.blocked   # recorded even though the worker keeps going
-  assert session.run("1 + 1").ok
+  assert shared_session.run("1 + 1").ok
 
 
-def test_a_caught_refusal_is_still_reported_in_blocked(session):
-  result = session.run("try:\n  import os\nexcept ImportError:\n  pass\n'fine'")
+def test_a_caught_refusal_is_still_reported_in_blocked(shared_session):
+  result = shared_session.run("try:\n  import os\nexcept ImportError:\n  pass\n'fine'")
   assert result.ok and result.value == "'fine'" and result.blocked == ("import of 'os'",)
+
+
+def test_repeated_refusals_are_listed_up_to_a_cap(shared_session):
+  result = shared_session.run("for _ in range(100):\n  try:\n    import os\n  except ImportError:\n    pass")
+  assert result.ok and len(result.blocked) == 21 and result.blocked[-1] == "... and 80 more"
 
 
 def test_deleting_the_restricted_builtins_does_not_open_imports(session):
@@ -300,8 +320,8 @@ def test_deleting_the_restricted_builtins_does_not_open_imports(session):
     ("for i in range(10**5):\n  print(i)", "output truncated at 1024 bytes"),
     ("'y' * 10**6", "value truncated at 1024 bytes"),
 ])
-def test_huge_output_is_truncated(session, code, message):
-  result = session.run(code)
+def test_huge_output_is_truncated(shared_session, code, message):
+  result = shared_session.run(code)
   assert_refused(result, message)
   assert len(result.stdout.encode()) <= 1024 and len((result.value or "").encode()) <= 1024
 

@@ -49,12 +49,13 @@ ALLOWED_MODULES = (
     "string", "operator", "time", "copy", "dataclasses", "enum", "typing", "warnings",
 )
 DENIED_SUBMODULES = ("numpy.f2py", "numpy.distutils", "numpy.ctypeslib", "numpy.testing")
-PRELOADED = ALLOWED_MODULES[:1] + ALLOWED_MODULES[2:] + (   # imported at start-up: later imports read no file
+PRELOADED = tuple(m for m in ALLOWED_MODULES if m != "image_ops") + (   # at start-up: later imports read no file
     "numpy.linalg", "numpy.fft", "numpy.random", "numpy.polynomial", "numpy.ma", "numpy.char",
     "numpy.strings", "numpy.rec", "numpy.lib.stride_tricks", "numpy.lib.format", "numpy.lib.npyio",
     "collections.abc", "linecache", "traceback",   # warnings.showwarning imports linecache
 )
 OPTIONAL_PRELOADED = ("gzip", "bz2", "lzma")   # numpy's file readers try them; a Python build may lack some
+MAX_BLOCKED = 20   # refusals listed per call; the rest are counted
 REMOVED_BUILTINS = ("input", "breakpoint", "help", "exit", "quit", "copyright", "credits", "license")
 
 DENIED_EVENTS = frozenset({
@@ -91,18 +92,28 @@ class AuditPolicy:
   * process creation, signals to other processes, sockets, ctypes, mmap, rlimit changes,
     file-system changes other than writing files in `work_dir`, tracing, gc introspection
     and code-object construction (DENIED_EVENTS, DENIED_PREFIXES) → PermissionError.
-  Each refusal is also appended to `blocked`, so an attempt shows even when the code catches it.
+  Each refusal is also recorded (`blocked()`), so an attempt shows even when the code catches it.
   """
 
   def __init__(self, work_dir: str, read_roots):
     self.work_dir = os.path.realpath(work_dir)
     self.read_roots = tuple(os.path.realpath(r) for r in read_roots) + (self.work_dir,)
-    self.blocked = []
+    self._blocked, self._unlisted = [], 0
 
   def refuse(self, what: str, error=PermissionError, hint: str = ""):
-    """Records `what` in `blocked` and raises `error`("sandbox: <what> is not allowed<hint>")."""
-    self.blocked.append(what)
+    """Records `what` and raises `error`("sandbox: <what> is not allowed<hint>")."""
+    if len(self._blocked) < MAX_BLOCKED:
+      self._blocked.append(what)
+    else:
+      self._unlisted += 1
     raise error(f"sandbox: {what} is not allowed{hint}")
+
+  def blocked(self) -> list[str]:
+    """The refusals since the last `clear()`: the first MAX_BLOCKED, then how many more."""
+    return self._blocked + ([f"... and {self._unlisted} more"] if self._unlisted else [])
+
+  def clear(self) -> None:
+    self._blocked, self._unlisted = [], 0
 
   def _check_path(self, event: str, path, write: bool) -> None:
     if isinstance(path, int):
@@ -211,7 +222,7 @@ def run_code(code: str, namespace: dict, sandbox_builtins: dict, limits: dict, p
   namespace whose `__builtins__` an earlier call deleted."""
   out = CappedText(limits["output_bytes"])
   value, error, cpu_start = None, None, _cpu_time()
-  policy.blocked.clear()
+  policy.clear()
   namespace["__builtins__"] = sandbox_builtins
   saved = sys.stdout, sys.stderr
   sys.stdout = sys.stderr = out
@@ -239,7 +250,7 @@ def run_code(code: str, namespace: dict, sandbox_builtins: dict, limits: dict, p
     errors.append(f"output truncated at {limits['output_bytes']} bytes")
   return {
       "ok": not errors, "stdout": out.getvalue(), "value": value,
-      "error": "; ".join(errors) or None, "blocked": list(policy.blocked),
+      "error": "; ".join(errors) or None, "blocked": policy.blocked(),
       "cpu_s": _cpu_time() - cpu_start,
       "peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
   }
