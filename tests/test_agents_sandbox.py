@@ -6,13 +6,14 @@ unharmed (no file created, no process left, the worker's memory bounded, the ses
 import asyncio
 import os
 import signal
+import tempfile
 import uuid
 
 import numpy as np
 import pytest
 
 from k25jax.agents import sandbox_confine
-from k25jax.agents.sandbox import Limits, RunResult, SandboxPool
+from k25jax.agents.sandbox import MAX_CODE_BYTES, Limits, RunResult, SandboxError, SandboxPool
 
 LIMITS = Limits(cpu_s=1, wall_s=2, memory_mb=256, output_bytes=1024, session_cpu_s=30, start_s=60)
 ESCAPE = "np.__builtins__['__import__']"   # real builtins, reached through a module's globals
@@ -333,8 +334,9 @@ def test_closing_the_pool_stops_open_sessions():
   s = pool.session().__enter__()
   s.run("0")
   work_dir = s.work_dir
+  assert pool.open_sessions == 1
   pool.close()
-  assert children() == before and not os.path.exists(work_dir)
+  assert pool.open_sessions == 0 and children() == before and not os.path.exists(work_dir)
   with pytest.raises(RuntimeError, match="closed"):
     pool.session()
 
@@ -388,6 +390,20 @@ def test_sixty_four_concurrent_sessions_give_correct_results():
 def test_bad_arguments_name_the_field(make, message):
   with pytest.raises(ValueError, match=message):
     make()
+
+
+def test_a_worker_that_does_not_start_is_a_sandbox_error_and_leaves_nothing(tmp_path, monkeypatch):
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))   # where the worker's directory goes
+  before = children()
+  with SandboxPool(1, Limits(start_s=0.001)) as pool, pool.session() as s:
+    with pytest.raises(SandboxError, match="did not start"):
+      s.run("1")
+  assert children() == before and os.listdir(tmp_path) == []
+
+
+def test_code_longer_than_the_limit_is_refused_before_running(shared_session):
+  result = shared_session.run("#" * (MAX_CODE_BYTES + 1))
+  assert not result.ok and "longer than the 1048576-byte limit" in result.error
 
 
 def test_running_a_session_that_is_not_open_fails_loudly(pool):

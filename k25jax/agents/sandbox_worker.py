@@ -332,13 +332,8 @@ def main() -> None:
   confinement = confine.confine(os.curdir, config["read_roots"])   # the cwd: its parent is not searchable
   sys.addaudithook(policy)
   _send(replies, {"ready": True, "confinement": confinement, "uid": os.getuid()})
-  while line := requests.readline():
-    try:
-      code = json.loads(line)["code"]
-    except (ValueError, KeyError, TypeError):
-      _send(replies, {"ok": False, "error": "sandbox: malformed request"})
-      continue
-    _send(replies, run_code(code, namespace, sandbox_builtins, config["limits"], policy))
+  while line := requests.readline():   # the host writes {"code": str}; anything else ends the worker
+    _send(replies, run_code(json.loads(line)["code"], namespace, sandbox_builtins, config["limits"], policy))
   os._exit(0)   # skip interpreter finalisation: the audit hook stays strict to the end
 
 
