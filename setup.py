@@ -32,6 +32,9 @@ setup(
             "transformers>=5.13",
             "compressed-tensors",
             "matplotlib",
+            "nbformat",        # colab/*.ipynb executed top to bottom by tests/test_notebooks.py
+            "nbclient",
+            "ipykernel",       # the python3 kernel nbclient starts
         ],
     },
 )
