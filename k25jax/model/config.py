@@ -17,8 +17,11 @@ from typing import Any
 
 MOE_IMPLS = ("dense", "ragged", "ragged_dot", "pallas")
 ATTENTION_IMPLS = ("xla", "pallas", "auto")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+EP_DISPATCHES = ("auto", "all_to_all", "ragged_all_to_all")
 # Fields of ours that never come from a Hugging Face config.json (whose `dtype` is torch's).
-OURS = ("moe_impl", "moe_block_size", "attention_impl", "dtype", "param_dtype")
+OURS = ("moe_impl", "moe_block_size", "attention_impl", "dtype", "param_dtype", "scan_layers",
+        "remat_policy", "expert_parallel", "ep_dispatch", "ep_capacity_factor")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -61,6 +64,11 @@ class ModelConfig:
   attention_impl: str = "xla"       # xla | pallas | auto (Pallas when compiled for TPU/GPU, else XLA)
   dtype: str = "float32"            # activation / compute dtype
   param_dtype: str = "float32"
+  scan_layers: bool = False         # nn.scan over the MoE layers: params under "moe_layers", [layers, ...]
+  remat_policy: str = "none"        # none | full | dots | dots_no_batch: what backward keeps per layer
+  expert_parallel: bool = True      # routed experts by all-to-all over the mesh's `expert` axis (if > 1 device)
+  ep_dispatch: str = "auto"         # auto (ragged on TPU/GPU) | all_to_all (fixed slots) | ragged_all_to_all
+  ep_capacity_factor: float = 2.0   # EP receive buffer = factor × a device's own token-expert pairs; 0 = worst case
 
   def __post_init__(self):
     self.validate()
@@ -113,6 +121,12 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ValueError(f"ModelConfig.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+    if self.remat_policy not in REMAT_POLICIES:
+      raise ValueError(f"ModelConfig.remat_policy must be one of {REMAT_POLICIES}, got {self.remat_policy!r}")
+    if self.ep_dispatch not in EP_DISPATCHES:
+      raise ValueError(f"ModelConfig.ep_dispatch must be one of {EP_DISPATCHES}, got {self.ep_dispatch!r}")
+    if self.ep_capacity_factor < 0:
+      raise ValueError(f"ModelConfig.ep_capacity_factor must be >= 0 (0 = worst case), got {self.ep_capacity_factor}")
     if self.moe_block_size < 0:
       raise ValueError(f"ModelConfig.moe_block_size must be >= 0, got {self.moe_block_size}")
     for name in ("dtype", "param_dtype"):

@@ -22,6 +22,11 @@ Expert compute paths (`ModelConfig.moe_impl`), all equal to each other:
                  dense product on CPU);
 * ``pallas``     the Pallas routing kernel, expert sort and grouped matmul
                  (`pallas_kernels.moe`; compiled on TPU/GPU, interpreted on CPU).
+
+Expert parallelism (`k25jax.model.expert_parallel`): when the mesh's `expert` axis has
+more than one device, tokens travel by all-to-all to the devices holding their experts,
+which run `grouped_ffn` (tiles, or `ragged_dot` with moe_impl="ragged_dot") on what
+they receive.
 """
 from __future__ import annotations
 
@@ -120,6 +125,38 @@ def auto_block_size(n_assignments: int, n_experts: int, max_block: int = 128) ->
   return block
 
 
+def tile_layout(groups: jax.Array, n_groups: int, block: int):
+  """Rows sorted by group into tiles of `block` rows, each tile holding one group's rows.
+
+  groups: [N] ints; rows with a group ≥ n_groups are left out. Each group's rows are
+  padded to a multiple of `block`, so there are n_rows = N + min(n_groups, N)·(block−1)
+  slots (rounded up to whole tiles). Returns (source [n_rows]: the row in each slot, N
+  for padding; slot [N]: each row's slot, n_rows for rows left out; tile_group [tiles]).
+  """
+  n = groups.shape[0]
+  order = jnp.argsort(groups, stable=True)
+  sorted_group = groups[order]
+  sizes = jnp.bincount(groups, length=n_groups).astype(jnp.int32)        # groups ≥ n_groups not counted
+  padded_sizes = (sizes + block - 1) // block * block
+  padded_end = jnp.cumsum(padded_sizes)
+  padded_start = padded_end - padded_sizes
+  group_start = jnp.cumsum(sizes) - sizes
+  n_rows = -(-(n + min(n_groups, n) * (block - 1)) // block) * block
+  kept = sorted_group < n_groups
+  g = jnp.minimum(sorted_group, n_groups - 1)
+  dest = jnp.where(kept, padded_start[g] + jnp.arange(n) - group_start[g], n_rows).astype(jnp.int32)
+  source = jnp.full((n_rows,), n, jnp.int32).at[dest].set(order.astype(jnp.int32), mode="drop")
+  slot = jnp.zeros((n,), jnp.int32).at[order].set(dest)
+  tile_group = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(n_rows // block) * block, side="right"),
+                           n_groups - 1)
+  return source, slot, tile_group
+
+
+def _tiled_swiglu(tiles, tile_group, gate, up, down):
+  """[tiles, block, d] rows through the FFN of each tile's group."""
+  return _swiglu(tiles, gate[tile_group], up[tile_group], down[tile_group], "nbd,ndf->nbf", "nbf,nfd->nbd")
+
+
 def experts_ragged(x, experts, weights, gate, up, down, block: int = 0):
   """Dropless expert compute over expert-sorted tiles (pays only for routed tokens).
 
@@ -129,28 +166,34 @@ def experts_ragged(x, experts, weights, gate, up, down, block: int = 0):
   """
   n_tokens, top_k = experts.shape
   n_experts, d = gate.shape[0], x.shape[-1]
-  n_assign = n_tokens * top_k
-  block = block or auto_block_size(n_assign, n_experts)
-  order, group_sizes = sort_by_expert(experts, n_experts)
-  sorted_expert = experts.reshape(-1)[order]
-  padded_sizes = (group_sizes + block - 1) // block * block
-  padded_end = jnp.cumsum(padded_sizes)
-  padded_start = padded_end - padded_sizes
-  group_start = jnp.cumsum(group_sizes) - group_sizes
-  dest = padded_start[sorted_expert] + jnp.arange(n_assign) - group_start[sorted_expert]
-
-  n_rows = -(-(n_assign + min(n_experts, n_assign) * (block - 1)) // block) * block
-  n_tiles = n_rows // block
-  tile_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(n_tiles) * block, side="right"),
-                            n_experts - 1)
-  row_assignment = jnp.full((n_rows,), n_assign, jnp.int32).at[dest].set(order.astype(jnp.int32))
+  block = block or auto_block_size(n_tokens * top_k, n_experts)
+  source, slot, tile_group = tile_layout(experts.reshape(-1), n_experts, block)
   x_padded = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)], axis=0)
-  rows = x_padded[jnp.minimum(row_assignment // top_k, n_tokens)].reshape(n_tiles, block, d)
-  y_rows = _swiglu(rows, gate[tile_expert], up[tile_expert], down[tile_expert],
-                   "nbd,ndf->nbf", "nbf,nfd->nbd")
-  assignment_row = jnp.zeros((n_assign,), jnp.int32).at[order].set(dest.astype(jnp.int32))
-  y = y_rows.reshape(n_rows, d)[assignment_row].reshape(n_tokens, top_k, d)
+  rows = x_padded[jnp.minimum(source // top_k, n_tokens)].reshape(-1, block, d)
+  y_rows = _tiled_swiglu(rows, tile_group, gate, up, down)
+  y = y_rows.reshape(-1, d)[slot].reshape(n_tokens, top_k, d)
   return jnp.einsum("tkd,tk->td", y.astype(jnp.float32), weights)
+
+
+def grouped_ffn(rows, groups, gate, up, down, *, use_ragged_dot: bool = False, block: int = 0):
+  """y_r = FFN_{groups_r}(rows_r) for rows [N, d], 0 where groups_r ≥ E (empty slots).
+
+  Over tiles as `experts_ragged`, or with `jax.lax.ragged_dot` on the rows sorted by
+  group (TPU/GPU's grouped matmul; a masked dense product on CPU).
+  """
+  n_rows, d = rows.shape
+  n_groups = gate.shape[0]
+  if use_ragged_dot:
+    order = jnp.argsort(groups, stable=True)
+    sizes = jnp.bincount(groups, length=n_groups).astype(jnp.int32)      # left-out rows sort last
+    x = rows[order]
+    h = jax.nn.silu(jax.lax.ragged_dot(x, gate, sizes)) * jax.lax.ragged_dot(x, up, sizes)
+    return jnp.zeros((n_rows, d), rows.dtype).at[order].set(jax.lax.ragged_dot(h, down, sizes))
+  block = block or auto_block_size(n_rows, n_groups)
+  source, slot, tile_group = tile_layout(groups, n_groups, block)
+  padded = jnp.concatenate([rows, jnp.zeros((1, d), rows.dtype)], axis=0)
+  y_tiles = _tiled_swiglu(padded[source].reshape(-1, block, d), tile_group, gate, up, down)
+  return jnp.concatenate([y_tiles.reshape(-1, d), jnp.zeros((1, d), y_tiles.dtype)], axis=0)[slot]
 
 
 def experts_ragged_dot(x, experts, weights, gate, up, down):
@@ -191,12 +234,19 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-  """Stacked SwiGLU experts: gate_proj, up_proj [E, d, f]; down_proj [E, f, d]."""
+  """Stacked SwiGLU experts: gate_proj, up_proj [E, d, f]; down_proj [E, f, d].
+
+  tokens [b, s, d], experts and weights [b, s, k] → (y [b, s, d] float32, overflow int32).
+  Under a mesh whose `expert` axis has > 1 device (and `expert_parallel`), the tokens
+  travel to their experts' devices (`k25jax.model.expert_parallel`; overflow counts the
+  token-expert pairs its bounded buffers dropped); otherwise `moe_impl` runs here (overflow 0).
+  """
 
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
+  def __call__(self, tokens: jax.Array, experts: jax.Array, weights: jax.Array):
+    from k25jax.model import expert_parallel  # imports this module
     cfg = self.cfg
     shape_in = (cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
     shape_out = (cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size)
@@ -210,20 +260,26 @@ class Experts(nn.Module):
     up = weight("up_proj", shape_in, ("exp", "embed", "moe_mlp"))
     down = weight("down_proj", shape_out, ("exp", "moe_mlp", "embed"))
     tokens = tokens.astype(dtype)
+    if expert_parallel.active(cfg) and not self.is_initializing():
+      return expert_parallel.sharded_experts(cfg, tokens, experts, weights, gate, up, down)
+    shape = tokens.shape
+    tokens, experts, weights = (a.reshape(-1, a.shape[-1]) for a in (tokens, experts, weights))
     if cfg.moe_impl == "dense":
-      return experts_dense(tokens, experts, weights, gate, up, down)
-    if cfg.moe_impl == "ragged":
-      return experts_ragged(tokens, experts, weights, gate, up, down, cfg.moe_block_size)
-    if cfg.moe_impl == "ragged_dot":
-      return experts_ragged_dot(tokens, experts, weights, gate, up, down)
-    if cfg.moe_impl == "pallas":
+      y = experts_dense(tokens, experts, weights, gate, up, down)
+    elif cfg.moe_impl == "ragged":
+      y = experts_ragged(tokens, experts, weights, gate, up, down, cfg.moe_block_size)
+    elif cfg.moe_impl == "ragged_dot":
+      y = experts_ragged_dot(tokens, experts, weights, gate, up, down)
+    elif cfg.moe_impl == "pallas":
       from pallas_kernels import moe as pallas_moe  # loaded only when chosen
-      return pallas_moe.routed_experts(tokens, experts, weights, gate, up, down)
-    raise NotImplementedError(f"moe_impl={cfg.moe_impl!r}")
+      y = pallas_moe.routed_experts(tokens, experts, weights, gate, up, down)
+    else:
+      raise NotImplementedError(f"moe_impl={cfg.moe_impl!r}")
+    return y.reshape(shape), jnp.zeros((), jnp.int32)
 
 
 class MoE(nn.Module):
-  """Router + routed experts + shared expert. Returns (y, {"load", "balance_loss"})."""
+  """Router + routed experts + shared expert. Returns (y, {"load", "balance_loss", "overflow"})."""
 
   cfg: ModelConfig
 
@@ -233,8 +289,9 @@ class MoE(nn.Module):
     batch, seq, d = x.shape
     tokens = x.reshape(batch * seq, d)
     weights, experts, scores = Router(cfg, name="gate")(tokens)
-    routed = Experts(cfg, name="experts")(tokens, experts, weights)
-    y = routed.astype(x.dtype).reshape(batch, seq, d)
+    routed, overflow = Experts(cfg, name="experts")(x, experts.reshape(batch, seq, -1),
+                                                    weights.reshape(batch, seq, -1))
+    y = routed.astype(x.dtype)
     if cfg.n_shared_experts:
       y = y + MLP(d, cfg.moe_intermediate_size * cfg.n_shared_experts, std=cfg.initializer_range,
                   dtype=dtype_of(cfg.dtype), param_dtype=dtype_of(cfg.param_dtype), name="shared_experts")(x)
@@ -243,5 +300,6 @@ class MoE(nn.Module):
         "load": expert_load(experts, cfg.n_routed_experts, mask),
         "balance_loss": sequence_balance_loss(scores.reshape(batch, seq, -1),
                                               experts.reshape(batch, seq, -1), mask),
+        "overflow": overflow,
     }
     return y, aux

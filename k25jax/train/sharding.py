@@ -34,6 +34,7 @@ RULES = (
     ("exp", "expert"),
     ("moe_mlp", "tensor"),
     ("norm", None),
+    ("layers", None),            # the stacked axis of the scanned MoE layers
     # MoonViT-3D and the projector
     ("vit_embed", "fsdp"),
     ("vit_heads", "tensor"),
