@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from k25jax.convert import int4, safetensors_io
+from k25jax.convert import int4, safetensors_io, scan
 from k25jax.model import transformer
 from k25jax.model.config import ModelConfig
 from k25jax.model.layers import dtype_of
@@ -171,9 +171,11 @@ def load_text_params(path: str, hf_cfg: dict, cfg: ModelConfig, shardings: Any =
   consume(raw_name, file): called first for every tensor; True means it took the tensor
   (the vision loader's hook), so it is not placed here.
   """
+  per_layer = cfg.replace(scan_layers=False)   # read per layer; stacked at the end if cfg.scan_layers
   expected = {k: tuple(v.shape) for k, v in
-              traverse_util.flatten_dict(nn.meta.unbox(transformer.abstract_params(cfg))).items()}
-  flat_shardings = (traverse_util.flatten_dict(shardings) if shardings is not None else {})
+              traverse_util.flatten_dict(nn.meta.unbox(transformer.abstract_params(per_layer))).items()}
+  flat_shardings = (traverse_util.flatten_dict(shardings) if shardings is not None and not cfg.scan_layers
+                    else {})
   param_dtype = dtype_of(cfg.param_dtype)
   out: dict[tuple, Any] = {}
   stacked: dict[tuple, np.ndarray] = {}
@@ -262,7 +264,8 @@ def load_text_params(path: str, hf_cfg: dict, cfg: ModelConfig, shardings: Any =
   for key in expected:
     if key not in out:
       raise CheckpointError(f"missing tensor for {'/'.join(key)} (HF name {hf_names(cfg, key)[0]!r})")
-  return traverse_util.unflatten_dict(out)
+  params = scan.to_layout(cfg, traverse_util.unflatten_dict(out))
+  return jax.device_put(params, shardings) if shardings is not None and cfg.scan_layers else params
 
 
 def _hf_expert_name(key: tuple, expert: int) -> str:
@@ -289,7 +292,10 @@ def hf_names(cfg: ModelConfig, key: tuple) -> list[str]:
 
 
 def to_hf_tensors(cfg: ModelConfig, params) -> Iterator[tuple[str, np.ndarray]]:
-  """Yields (HF name, numpy array) for every param, experts split per expert."""
+  """Yields (HF name, numpy array) for every param, experts split per expert (scanned
+  params are unstacked into their layers first)."""
+  if scan.is_scanned(params):
+    params = scan.unstack_layers(cfg, params)
   flat = traverse_util.flatten_dict(params)
   for key, value in flat.items():
     value = np.asarray(jax.device_get(value))

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from k25jax.model.transformer import SCANNED
 from k25jax.optim import routing
 from k25jax.optim.muon import NS_COEFFS, muon
 
@@ -38,7 +39,7 @@ def muonclip(learning_rate: optax.ScalarOrSchedule, *, weight_decay: float = 0.1
   One learning rate for both halves: the RMS scaling makes Muon's updates AdamW-sized.
   """
   adamw = optax.adamw(learning_rate, b1=adam_b1, b2=adam_b2, eps=adam_eps, weight_decay=weight_decay,
-                      mask=lambda params: jax.tree.map(lambda p: len(p.shape) >= 2, params))
+                      mask=routing.matrix_mask)
   return optax.partition(
       {routing.MUON: muon(learning_rate, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                           ns_coeffs=ns_coeffs, rms_scale=rms_scale, weight_decay=weight_decay),
@@ -78,6 +79,8 @@ def clip_attention(attn: dict, max_logits: jax.Array, tau: float) -> dict:
 def qk_clip(params, max_logits: jax.Array, tau: float):
   """Applies QK-Clip to layers_0 … layers_{L−1}; max_logits: [L, H] (the model's aux).
 
+  With scanned params (`moe_layers`, leaves [L−k, ...] after the k per-layer entries
+  layers_0 … layers_{k−1}), rows k… of max_logits clip the stacked layers, layer by layer.
   S comes from the step's forward pass, before the update, so the next forward can exceed
   τ by one update's growth. Pure jax.numpy (unclipped heads are multiplied by exactly 1, so
   they keep their bits); works on sharded params inside a jitted step. Returns (params,
@@ -85,7 +88,13 @@ def qk_clip(params, max_logits: jax.Array, tau: float):
   largest S) and `max_logit_per_layer` [L].
   """
   params = dict(params)
-  for layer in range(max_logits.shape[0]):
+  per_layer = max_logits.shape[0]
+  if SCANNED in params:
+    stacked = params[SCANNED]
+    per_layer -= jax.tree.leaves(stacked)[0].shape[0]
+    clipped = jax.vmap(clip_attention, in_axes=(0, 0, None))(stacked["self_attn"], max_logits[per_layer:], tau)
+    params[SCANNED] = dict(stacked, self_attn=clipped)
+  for layer in range(per_layer):
     name = f"layers_{layer}"
     params[name] = dict(params[name], self_attn=clip_attention(params[name]["self_attn"],
                                                                max_logits[layer], tau))

@@ -12,7 +12,9 @@ Muon's matrix of a kernel is the linear map of the checkpoint's `nn.Linear`:
     o_proj                              [H, v, d]          —       H·v          d
     mlp/experts/*                       [E, in, out]       E       in           out
 
-so each routed expert's matrix is orthogonalised on its own, never across experts.
+so each routed expert's matrix is orthogonalised on its own, never across experts. A leaf
+of the scanned MoE layers (`moe_layers`, scan_layers=True) has a leading [layers] axis:
+it is one more batch axis, so each layer's matrices stay apart too.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import NamedTuple
 import jax
 
 from k25jax.model.moe import ROUTER_BIAS
+from k25jax.model.transformer import SCANNED
 
 MUON, ADAMW, FROZEN = "muon", "adamw", "frozen"
 
@@ -43,12 +46,27 @@ def names(path) -> tuple[str, ...]:
   return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
 
 
+def stacked_axes(path) -> int:
+  """1 for a leaf of the scanned MoE layers (leading [layers] axis), 0 otherwise."""
+  return int(SCANNED in names(path))
+
+
+def is_matrix(path, leaf) -> bool:
+  """True when one layer's copy of the leaf has >= 2 axes (weight decay and Muon apply)."""
+  return len(leaf.shape) - stacked_axes(path) >= 2
+
+
+def matrix_mask(params):
+  """The tree of `is_matrix` (the weight-decay mask)."""
+  return jax.tree_util.tree_map_with_path(is_matrix, params)
+
+
 def label(path, leaf) -> str:
   """MUON, ADAMW or FROZEN for the parameter at `path` (see the module docstring)."""
   keys = names(path)
   if keys[-1] == ROUTER_BIAS:
     return FROZEN
-  if keys[0] in ("embed_tokens", "lm_head") or keys[-2:] == ("gate", "kernel") or len(leaf.shape) < 2:
+  if keys[0] in ("embed_tokens", "lm_head") or keys[-2:] == ("gate", "kernel") or not is_matrix(path, leaf):
     return ADAMW
   return MUON
 
@@ -60,7 +78,15 @@ def labels(params):
 
 def matrix_axes(path, shape: tuple[int, ...]) -> MatrixAxes:
   """The batch / row / column axes of the Muon parameter at `path` with `shape`."""
-  keys = names(path)
+  if stacked_axes(path):
+    layer = _layer_matrix_axes(names(path), shape[1:])
+    shift = lambda axes: tuple(a + 1 for a in axes)
+    return MatrixAxes((0,) + shift(layer.batch), shift(layer.rows), shift(layer.cols))
+  return _layer_matrix_axes(names(path), shape)
+
+
+def _layer_matrix_axes(keys: tuple[str, ...], shape: tuple[int, ...]) -> MatrixAxes:
+  """`matrix_axes` of one layer's parameter (no stacked layer axis)."""
   ndim = len(shape)
   if ndim == 2:
     return MatrixAxes((), (0,), (1,))

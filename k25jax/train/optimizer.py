@@ -7,11 +7,10 @@ weight decay included.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from k25jax.model.moe import ROUTER_BIAS
-from k25jax.optim import muonclip
+from k25jax.optim import muonclip, routing
 
 OPTIMIZERS = ("adamw", "muonclip")
 
@@ -46,8 +45,9 @@ def labels(params):
 
 
 def decay_mask(params):
-  """Weight decay on matrices (kernels, embeddings, experts), not on norms or vectors."""
-  return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+  """Weight decay on matrices (kernels, embeddings, experts), not on norms or vectors
+  (per layer: a scanned layer stack's norms are vectors too)."""
+  return routing.matrix_mask(params)
 
 
 def make_optimizer(opt, total_steps: int) -> optax.GradientTransformation:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from k25jax.model import moe
+from k25jax.model import moe, transformer
 from k25jax.optim import muonclip
 from k25jax.train import sharding
 from k25jax.train.state import TrainState
@@ -28,16 +28,25 @@ from k25jax.train.state import TrainState
 LossFn = Callable[[Any, dict, jax.Array], tuple[jax.Array, tuple[dict, dict]]]
 
 
+def _with_router_bias(layer: dict, load: jax.Array, gamma: float) -> dict:
+  """A layer's params with its router bias (a [E] vector, or [layers, E] when scanned) updated."""
+  mlp = dict(layer["mlp"])
+  gate = dict(mlp["gate"])
+  gate[moe.ROUTER_BIAS] = moe.update_router_bias(gate[moe.ROUTER_BIAS], load, gamma)
+  mlp["gate"] = gate
+  return dict(layer, mlp=mlp)
+
+
 def update_router_biases(params, expert_load: jax.Array, gamma: float, first_moe_layer: int):
-  """Applies `moe.update_router_bias` to layers_{first_moe_layer + i} with load row i."""
+  """Applies `moe.update_router_bias` to layers_{first_moe_layer + i} with load row i (to the
+  stacked `moe_layers` with all rows at once when the params are scanned)."""
   params = dict(params)
+  if transformer.SCANNED in params:
+    params[transformer.SCANNED] = _with_router_bias(params[transformer.SCANNED], expert_load, gamma)
+    return params
   for i in range(expert_load.shape[0]):
     name = f"layers_{first_moe_layer + i}"
-    layer = dict(params[name])
-    mlp = dict(layer["mlp"])
-    gate = dict(mlp["gate"])
-    gate[moe.ROUTER_BIAS] = moe.update_router_bias(gate[moe.ROUTER_BIAS], expert_load[i], gamma)
-    mlp["gate"], layer["mlp"], params[name] = gate, mlp, layer
+    params[name] = _with_router_bias(params[name], expert_load[i], gamma)
   return params
 
 
@@ -47,14 +56,18 @@ def all_finite(tree) -> jax.Array:
 
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, abstract_state: TrainState, *,
-                    router_gamma: float, first_moe_layer: int, qk_clip_tau: float | None = None):
+                    router_gamma: float, first_moe_layer: int, qk_clip_tau: float | None = None,
+                    batch_specs=None, lm_key: str | None = None):
   """`step(state, batch) -> (state, metrics)`, one `jax.jit` with shardings, state donated.
 
-  Call it under `jax.set_mesh(mesh)`; batch leaves are [batch, seq] arrays. With
-  `qk_clip_tau`, QK-Clip follows the update and its counts go to the metrics.
+  Call it under `jax.set_mesh(mesh)`; batch leaves are [batch, seq] arrays, unless
+  `batch_specs` (a PartitionSpec tree prefix of the batch) says otherwise. With
+  `qk_clip_tau`, QK-Clip follows the update and its counts go to the metrics. `lm_key`:
+  the decoder's params are `params[lm_key]` (the K25 model's "language_model"), for the
+  router-bias update and QK-Clip.
   """
   specs = sharding.mesh_specs(abstract_state)
-  batch_spec = P(sharding.BATCH_AXES, "sequence")
+  batch_spec = P(sharding.BATCH_AXES, "sequence") if batch_specs is None else batch_specs
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     rng, step_rng = jax.random.split(state.rng)
@@ -63,13 +76,15 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, abstract_
           state.params, batch, step_rng)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    lm = params if lm_key is None else params[lm_key]
     if aux["expert_load"].shape[0]:
-      params = update_router_biases(params, aux["expert_load"], router_gamma, first_moe_layer)
+      lm = update_router_biases(lm, aux["expert_load"], router_gamma, first_moe_layer)
     if qk_clip_tau is not None:
-      params, clip = muonclip.qk_clip(params, aux["max_logits"], qk_clip_tau)
+      lm, clip = muonclip.qk_clip(lm, aux["max_logits"], qk_clip_tau)
       per_layer = {f"qk_clip/max_logit_layer_{i}": m for i, m in enumerate(clip["max_logit_per_layer"])}
       metrics = {**metrics, "qk_clip/clipped_heads": clip["clipped_heads"],
                  "qk_clip/max_logit": clip["max_logit"], **per_layer}
+    params = lm if lm_key is None else {**params, lm_key: lm}
     finite = jnp.logical_and(jnp.isfinite(loss), all_finite(grads))
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     skipped = state.skipped + jnp.where(finite, 0, 1).astype(jnp.int32)
@@ -83,13 +98,14 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, abstract_
                  donate_argnums=0)
 
 
-def make_eval_step(loss_fn: LossFn, abstract_state: TrainState):
+def make_eval_step(loss_fn: LossFn, abstract_state: TrainState, batch_specs=None):
   """`eval_step(state, batch) -> metrics` (the loss and the stage's metrics, no update)."""
   specs = sharding.mesh_specs(abstract_state)
+  batch_spec = P(sharding.BATCH_AXES, "sequence") if batch_specs is None else batch_specs
 
   def eval_step(state: TrainState, batch: dict) -> dict:
     with nn.logical_axis_rules(sharding.RULES):
       loss, (metrics, _) = loss_fn(state.params, batch, state.rng)
     return dict(metrics, loss=loss)
 
-  return jax.jit(eval_step, in_shardings=(specs, P(sharding.BATCH_AXES, "sequence")), out_shardings=P())
+  return jax.jit(eval_step, in_shardings=(specs, batch_spec), out_shardings=P())
