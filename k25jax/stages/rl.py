@@ -15,6 +15,8 @@ one by SFT on the task's demonstrations (`warm_start`), saved under workdir/warm
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import time
 
@@ -172,6 +174,27 @@ def warm_start(config, model, task, mesh, workdir: str):
   tokens, weights, lengths = task.demonstrations(ws.demonstrations, ws.seed, ws.p_scratch, ws.p_check)
   params, _ = sft.train(ws, model, tokens, weights, lengths, mesh=mesh, workdir=os.path.join(workdir, "warm_start"))
   return params
+
+
+def warm_start_key(config) -> str:
+  """What the built-in warm start depends on: a hash of the model, task and warm_start sections."""
+  sections = json.dumps([config.model.to_dict(), config.task.to_dict(), config.warm_start.to_dict()], sort_keys=True)
+  return hashlib.sha1(sections.encode()).hexdigest()[:12]
+
+
+def shared_warm_start(config, root: str) -> str:
+  """A directory for `warm_start.checkpoint`: the SFT warm start of `config`, trained once
+  under root/<warm_start_key>/warm_start and reused by every later call with the same
+  sections (runs that differ only in their RL settings share it). A configured
+  `warm_start.checkpoint` is returned as it is."""
+  if config.warm_start.checkpoint:
+    return config.warm_start.checkpoint
+  workdir = os.path.join(root, warm_start_key(config))
+  model = transformer.Transformer(config_utils.model_config_from(config.model))
+  mesh = sharding.make_mesh(config.mesh.to_dict())
+  with jax.set_mesh(mesh):
+    warm_start(config, model, TASKS[config.task.name](config.task), mesh, workdir)   # resumes; 0 steps if done
+  return os.path.join(workdir, "warm_start")
 
 
 # ------------------------------------------------------------------------------------- run
