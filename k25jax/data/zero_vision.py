@@ -1,0 +1,113 @@
+"""Zero-vision SFT data: text-only trajectories that answer questions about images with a Python tool.
+
+The model never sees the image: the question names it (`img_2`), the assistant writes
+code that works on the array of that name with `k25jax.agents.image_ops` (binarize,
+colour masks, connected components, boxes, region comparison), the tool's output comes
+from ACTUALLY running that code in a sandbox session holding the task's image, and the
+final turn states the answer:
+
+    <|user|> How many red objects are in img_2? <|end|>
+    <|assistant|> <|call|> print(count_objects(img_2, "red")) <|end|>
+    <|tool|> 3 <|end|>
+    <|assistant|> 3 <|end|>
+
+Tasks and their reference programs come from `k25jax.data.image_tasks` (counting,
+locating, comparing, reading); a trajectory uses the one-call program, or with
+probability `p_two_calls` the two-call one whose second call reads the state the first
+left in the session. The loss mask is 1 only on the assistant's tokens (`chat.render`).
+The answer is the task's ground truth, computed from the drawing, and generation fails
+loudly if the tool's final output disagrees with it.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Sequence
+
+import numpy as np
+
+from k25jax.agents import tool_rollout
+from k25jax.data import chat, image_tasks
+
+
+def conversation(task: image_tasks.ImageTask, program: Sequence[str], outputs: Sequence[str]) -> list[chat.Message]:
+  """user question, (tool call, tool output) per program step, the answer."""
+  messages = [chat.Message("user", task.question)]
+  for code, output in zip(program, outputs, strict=True):
+    messages += [chat.Message("assistant", code, call=True), chat.Message("tool", output)]
+  return messages + [chat.Message("assistant", task.answer)]
+
+
+def shards(tasks: Sequence[image_tasks.ImageTask]) -> list[list[int]]:
+  """Task indices grouped so that no two tasks of a group share an image name (greedy, in order)."""
+  groups: list[list[int]] = []
+  names: list[set[str]] = []
+  for i, task in enumerate(tasks):
+    g = next((g for g, taken in enumerate(names) if task.image_name not in taken), None)
+    if g is None:
+      groups.append([])
+      names.append(set())
+      g = len(groups) - 1
+    groups[g].append(i)
+    names[g].add(task.image_name)
+  return groups
+
+
+async def _run_shard(pool, tasks, shard: list[int], programs, output_chars: int) -> dict[int, list[str]]:
+  """Runs the programs of a shard's tasks, in order, in ONE session holding all their images."""
+  outputs = {}
+  async with pool.session(images={tasks[i].image_name: tasks[i].image for i in shard}) as session:
+    for i in shard:
+      task, outputs[i] = tasks[i], []
+      for code in programs[i]:
+        result = await session.arun(code)
+        if not result.ok:
+          raise RuntimeError(f"reference program of a {task.kind} task failed in the sandbox: {result.error}\n{code}")
+        outputs[i].append(tool_rollout.observation(result, output_chars))
+      if not image_tasks.grade(outputs[i][-1], task.answer):
+        raise RuntimeError(f"the tool printed {outputs[i][-1]!r} for a {task.kind} task whose answer is "
+                           f"{task.answer!r}")
+  return outputs
+
+
+async def _run_all(pool, tasks, programs, output_chars: int) -> list[list[str]]:
+  done = await asyncio.gather(*(_run_shard(pool, tasks, shard, programs, output_chars) for shard in shards(tasks)))
+  merged = {i: out for part in done for i, out in part.items()}
+  return [merged[i] for i in range(len(tasks))]
+
+
+def conversations(tasks: Sequence[image_tasks.ImageTask], pool, *, p_two_calls: float, seed: int,
+                  output_chars: int = 120) -> list[list[chat.Message]]:
+  """One trajectory per task, its tool outputs from sandbox sessions of `pool`. Deterministic given seed.
+
+  A worker process costs ~0.1 s of CPU to start, so tasks whose images have different
+  names share a session (`shards`): each program runs verbatim on its own image, and every
+  task's first call assigns the variables its later calls read.
+  """
+  if not 0.0 <= p_two_calls <= 1.0:
+    raise ValueError(f"p_two_calls={p_two_calls} must be a probability")
+  two = np.random.default_rng([seed, 2]).random(len(tasks)) < p_two_calls
+  programs = [task.programs[-1] if pick else task.programs[0] for task, pick in zip(tasks, two)]
+  outputs = asyncio.run(_run_all(pool, tasks, programs, output_chars))
+  return [conversation(t, p, o) for t, p, o in zip(tasks, programs, outputs)]
+
+
+def encode(tok: chat.ChatTokenizer, convs: Sequence[Sequence[chat.Message]], max_length: int
+           ) -> dict[str, np.ndarray]:
+  """Rendered conversations, right-padded: tokens int32 [n, max_length], loss_mask float32
+  [n, max_length] (1 on assistant tokens), length int32 [n]."""
+  rendered = [chat.render(tok, c) for c in convs]
+  longest = max(len(t) for t, _ in rendered)
+  if longest > max_length:
+    raise ValueError(f"a conversation has {longest} tokens, more than data.max_length={max_length}")
+  tokens = np.full((len(rendered), max_length), tok.pad_id, np.int32)
+  mask = np.zeros((len(rendered), max_length), np.float32)
+  for i, (t, m) in enumerate(rendered):
+    tokens[i, :len(t)], mask[i, :len(m)] = t, m
+  return {"tokens": tokens, "loss_mask": mask, "length": np.array([len(t) for t, _ in rendered], np.int32)}
+
+
+def dataset(n: int, seed: int, pool, tok: chat.ChatTokenizer, *, image_size: int, kinds: Sequence[str],
+            p_two_calls: float, max_length: int) -> dict[str, np.ndarray]:
+  """n zero-vision SFT trajectories over fresh tasks (`image_tasks.make_tasks(n, seed, ...)`)."""
+  tasks = image_tasks.make_tasks(n, seed, image_size, tuple(kinds))
+  return encode(tok, conversations(tasks, pool, p_two_calls=p_two_calls, seed=seed), max_length)

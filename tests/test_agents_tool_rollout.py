@@ -1,0 +1,116 @@
+"""Multi-turn tool rollouts: the reference policy replays the SFT trajectories exactly, bad turns
+become error observations, and the recorded log-probs are the training path's."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k25jax.agents import sandbox, tool_rollout
+from k25jax.data import chat, image_tasks, zero_vision
+from k25jax.model import config as model_config
+from k25jax.model import transformer
+from k25jax.rl import rollout, sampler
+
+TOK = chat.ChatTokenizer()
+
+
+@pytest.fixture(scope="module")
+def pool():
+  with sandbox.SandboxPool(4) as p:
+    yield p
+
+
+def scripted(turns_of):
+  """A decoder that writes turns_of(episode)[k] as its k-th turn (text after <|end|> is junk to ignore)."""
+  def decode(contexts, episodes):
+    out = []
+    for context, episode in zip(contexts, episodes):
+      k = list(context).count(TOK.assistant_id) - 1
+      ids = turns_of(episode)[k] + TOK.encode("junk")
+      out.append((ids, [-0.25] * len(ids)))
+    return out
+  return decode
+
+
+def call(code):
+  return [TOK.call_id, *TOK.encode(code), TOK.end_id]
+
+
+def answer(text):
+  return [*TOK.encode(text), TOK.end_id]
+
+
+def test_reference_policy_replays_the_sft_trajectories(pool):
+  tasks = image_tasks.make_tasks(6, seed=2)
+  convs = zero_vision.conversations(tasks, pool, p_two_calls=0.5, seed=2)
+  turns = [[call(m.content) if m.call else answer(m.content) for m in conv if m.role == "assistant"]
+           for conv in convs]
+  transcripts = tool_rollout.play(scripted(lambda e: turns[e]), TOK, tasks, pool, tool_rollout.RolloutConfig())
+  for t, conv in zip(transcripts, convs):
+    tokens, mask = chat.render(TOK, conv)
+    assert t.tokens == tokens and t.loss_mask == mask
+    assert t.logprobs == [-0.25 if m else 0.0 for m in mask]
+  summary = tool_rollout.summarize(transcripts, tasks)
+  assert summary["accuracy"] == 1.0 and summary["tool_call_success"] == 1.0
+  assert summary["calls_per_episode"] == sum(len(t) - 1 for t in turns) / 6 and summary["finish/answer"] == 1.0
+
+
+def test_bad_turns_become_error_observations(pool):
+  tasks = image_tasks.make_tasks(5, seed=4)
+  name = tasks[0].image_name
+  scripts = [
+      [call("print(undefined_name)"), call(f"print({name}.shape)"), answer("nonsense")],   # error, then ok
+      [[TOK.call_id, TOK.end_id], answer(tasks[1].answer)],                                 # empty call
+      [TOK.encode("never ends")],                                                           # truncated
+      [call("x = 1")] * 5,                                                                  # turn limit
+      [call("import os"), answer(tasks[4].answer)],                                         # refused import
+  ]
+  config = tool_rollout.RolloutConfig(max_turns=3)
+  t = tool_rollout.play(scripted(lambda e: scripts[e]), TOK, tasks, pool, config)
+  assert [x.finish for x in t] == ["answer", "answer", "truncated", "turn_limit", "answer"]
+  assert [x.calls for x in t] == [2, 1, 0, 3, 1] and [x.call_errors for x in t] == [1, 1, 0, 0, 1]
+  text = TOK.decode(t[0].tokens)
+  assert "<|tool|>Error: NameError: name 'undefined_name' is not defined" in text
+  assert "<|tool|>(56, 56, 3)<|end|>" in text
+  assert "Error: malformed call (empty)" in TOK.decode(t[1].tokens)
+  assert "import of 'os' is not allowed" in TOK.decode(t[4].tokens)
+  summary = tool_rollout.summarize(t, tasks)
+  assert summary["accuracy"] == 2 / 5 and summary["tool_call_success"] == 4 / 7
+  no_tool = tool_rollout.play(scripted(lambda e: scripts[e]), TOK, tasks[:1], pool,
+                              tool_rollout.RolloutConfig(tool=False))
+  assert no_tool[0].call_errors == 2 and "Error: no tool is available" in TOK.decode(no_tool[0].tokens)
+
+
+def test_length_limit_stops_before_a_turn_that_cannot_fit(pool):
+  tasks = image_tasks.make_tasks(1, seed=4)
+  config = tool_rollout.RolloutConfig(max_context=80, turn_tokens=20)
+  t = tool_rollout.play(scripted(lambda e: [call("print(1)")] * 9), TOK, tasks, pool, config)[0]
+  assert t.finish == "length_limit" and len(t.tokens) + 20 > 80 and t.answer is None
+
+
+def test_sampled_logprobs_match_the_training_path_over_several_turns(pool):
+  cfg = model_config.preset("tiny", vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64,
+                            moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, n_routed_experts=4,
+                            num_experts_per_tok=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                            qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=256)
+  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
+  # A random model made to open its turns with <|call|> or <|end|> (logits ~7 and ~6.5 against
+  # ~0 for the rest) and to close a call at once: turns are short, calls are empty (malformed),
+  # so episodes go on for several turns. The layers still add to the logits.
+  e0, e1 = np.eye(32)[0], np.eye(32)[1]
+  embed = params["embed_tokens"]["embedding"]
+  params["embed_tokens"]["embedding"] = embed.at[TOK.assistant_id].set(10 * e0).at[TOK.call_id].set(10 * e1)
+  scale = np.sqrt(32)   # RMSNorm(10 e_i) = sqrt(d) e_i
+  params["lm_head"] = params["lm_head"].at[:, TOK.call_id].set(7 / scale * e0).at[:, TOK.end_id].set(
+      (6.5 * e0 + 8 * e1) / scale)
+  sampling = sampler.SamplingConfig(max_new_tokens=8, temperature=0.8, stop_tokens=(TOK.end_id,))
+  tasks = image_tasks.make_tasks(8, seed=6)
+  decode = tool_rollout.text_decoder(cfg, params, sampling, seed=1, min_rows=8)
+  transcripts = tool_rollout.play(decode, TOK, tasks, pool,
+                                  tool_rollout.RolloutConfig(max_turns=2, max_context=128, turn_tokens=8))
+  assert max(t.turns for t in transcripts) == 2 and sum(t.calls for t in transcripts) >= 2
+  rows = tool_rollout.loss_rows(transcripts, seq_len=128, pad_id=TOK.pad_id)
+  logits, _ = transformer.Transformer(cfg).apply({"params": params}, jnp.asarray(rows["inputs"]))
+  logp = rollout.token_logprobs(logits, jnp.asarray(rows["targets"]), 0.8)
+  np.testing.assert_allclose(np.asarray(logp) * rows["mask"], rows["old_logp"], atol=2e-5)
+  assert rows["mask"].sum() == sum(sum(t.loss_mask) for t in transcripts)
