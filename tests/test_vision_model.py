@@ -1,4 +1,6 @@
 """MoonViT-3D and the K25 model: shapes, packing, padding, the splice, bad input, sharding."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +39,7 @@ def _tokens(n_placeholders, seq=12):
   return tokens
 
 
+@functools.partial(jax.jit, static_argnums=2)
 def _features(params, pixels, grids):
   return k25.K25(CFG).apply({"params": params}, pixels, grids, method=k25.K25.encode_media)
 
@@ -105,6 +108,18 @@ def test_placeholder_count_mismatch_is_an_error(params):
     k25.K25(CFG).apply({"params": params}, jnp.asarray(_tokens(5)), pixels, GRIDS)
 
 
+def test_placeholders_that_split_an_item_are_an_error():
+  tokens = _tokens(4)
+  tokens[0, 6], tokens[0, 8] = 5, CFG.image_token_id     # runs of 3 and 1 over items of 2 and 2
+  with pytest.raises(ValueError, match=r"the 3 media placeholders at row 0, columns 3..5 do not hold whole items"):
+    k25.check_media(tokens, GRIDS, CFG)
+
+
+def test_placeholders_without_media_are_an_error(params):
+  with pytest.raises(ValueError, match="2 media placeholder tokens but no media"):
+    k25.K25(CFG).apply({"params": params}, jnp.asarray(_tokens(2)))
+
+
 def test_placeholder_count_mismatch_under_jit_is_flagged(params):
   run = jax.jit(lambda p, t, x: k25.K25(CFG).apply({"params": p}, t, x, GRIDS)[1]["media_mismatch"])
   pixels = _pixels(GRIDS)
@@ -137,15 +152,30 @@ def test_bad_configs_are_named():
     VISION.replace(hidden_size=12)
 
 
-def test_vision_params_shard_by_their_logical_axes():
+def test_released_config_names_are_understood():
+  """The released config.json spells the vision fields `vt_*` and the pad id
+  `media_placeholder_token_id`; transformers' names come out."""
+  released = {"text_config": TEXT.to_hf_dict(), "media_placeholder_token_id": 60, "video_token_id": 61,
+              "vision_start_token_id": 58, "vision_end_token_id": 59,
+              "vision_config": {"patch_size": 14, "init_pos_emb_height": 6, "init_pos_emb_width": 6,
+                                "init_pos_emb_time": 4, "vt_num_attention_heads": 2, "vt_num_hidden_layers": 1,
+                                "vt_hidden_size": 16, "vt_intermediate_size": 24, "merge_kernel_size": [2, 2],
+                                "merge_type": "sd2_tpool", "video_attn_type": "spatial_temporal",
+                                "mm_projector_type": "patchmerger", "projector_ln_eps": 1e-5}}
+  assert config.K25Config.from_hf_dict(released, moe_impl="dense") == CFG
+  with pytest.raises(ValueError, match="vision_config.merge_type='sd2' is not supported"):
+    config.K25Config.from_hf_dict({**released, "vision_config": {**released["vision_config"],
+                                                                 "merge_type": "sd2"}})
+
+
+def test_vision_params_shard_by_their_logical_axes(params):
   mesh = sharding.make_mesh({"fsdp": 2, "tensor": 2, "data": -1})
   specs = sharding.mesh_specs(k25.abstract_params(CFG))
   block = specs["vision_tower"]["encoder"]["blocks_0"]
   assert block["wqkv"]["kernel"] == P("fsdp", None, "tensor", None)
   assert block["mlp"]["fc0"]["kernel"] == P("fsdp", "tensor")
   assert specs["mm_projector"]["proj_2"]["kernel"] == P("tensor", "fsdp")
-  placed = jax.device_put(k25.init_params(CFG, jax.random.PRNGKey(1)),
-                          sharding.logical_to_sharding(k25.abstract_params(CFG), mesh))
+  placed = jax.device_put(params, sharding.logical_to_sharding(k25.abstract_params(CFG), mesh))
   assert placed["vision_tower"]["encoder"]["blocks_0"]["wqkv"]["kernel"].sharding.spec == P("fsdp", None, "tensor", None)
 
 

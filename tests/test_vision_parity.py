@@ -1,6 +1,7 @@
 """Parity with transformers' Kimi_K25ForConditionalGeneration on a tiny random checkpoint:
 vision features of an image and a 4-frame chunk packed together, logits with media in the
 prompt, both checkpoint layouts on load, and save → transformers load."""
+import jax
 import numpy as np
 import pytest
 import torch
@@ -88,6 +89,10 @@ def loaded(checkpoint):
   return hf.load(checkpoint["released"])
 
 
+def jax_paths(tree):
+  return [(jax.tree_util.keystr(k), v) for k, v in jax.tree_util.tree_leaves_with_path(tree)]
+
+
 def _apply(cfg, params, *args, **kwargs):
   return k25.K25(cfg).apply({"params": params}, *args, **kwargs)
 
@@ -115,19 +120,19 @@ def test_native_layout_loads_to_the_same_params(checkpoint, loaded):
   cfg, params = loaded
   native_cfg, native_params = hf.load(checkpoint["native"])
   assert native_cfg == cfg
-  for path, value in zip(*[jax_paths(p) for p in (params, native_params)]):
-    assert path[0] == value[0]
-    np.testing.assert_array_equal(np.asarray(path[1]), np.asarray(value[1]), err_msg=str(path[0]))
-
-
-def jax_paths(tree):
-  import jax
-  return [(jax.tree_util.keystr(k), v) for k, v in jax.tree_util.tree_leaves_with_path(tree)]
+  for ours, native in zip(jax_paths(params), jax_paths(native_params)):
+    assert ours[0] == native[0]
+    np.testing.assert_array_equal(np.asarray(ours[1]), np.asarray(native[1]), err_msg=ours[0])
 
 
 def test_save_round_trip_loads_in_transformers(checkpoint, loaded, tmp_path):
   cfg, params = loaded
   hf.save(cfg, params, str(tmp_path))
+  reloaded_cfg, reloaded = hf.load(str(tmp_path))
+  assert reloaded_cfg == cfg
+  for ours, back in zip(jax_paths(params), jax_paths(reloaded)):
+    assert ours[0] == back[0]
+    np.testing.assert_array_equal(np.asarray(ours[1]), np.asarray(back[1]), err_msg=ours[0])
   model, info = Kimi_K25ForConditionalGeneration.from_pretrained(str(tmp_path), output_loading_info=True)
   assert not any(info.values()), info
   with torch.no_grad():

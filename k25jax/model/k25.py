@@ -27,15 +27,20 @@ from k25jax.model.config import K25Config
 from k25jax.model.transformer import Transformer
 
 
-def check_media(tokens, grid_thw: vision.Grid, cfg: K25Config) -> None:
-  """Host-side check: the placeholders of `tokens` number exactly Σ_items h·w/(kh·kw).
+def check_media(tokens, grid_thw: vision.Grid | None, cfg: K25Config) -> None:
+  """Host-side check that the placeholders of `tokens` match the media (None: no media).
 
-  Also validates the grids (`vision.check_grid`). Raises ValueError with both counts.
+  Validates the grids (`vision.check_grid`), then `media.check_placeholders`: exactly
+  Σ_items h·w/(kh·kw) placeholders, each run holding whole items in order. Raises ValueError.
   """
+  mask = media.placeholder_mask(np.asarray(tokens), cfg.media_token_ids)
+  if grid_thw is None:
+    if mask.any():
+      raise ValueError(f"the prompt has {int(mask.sum())} media placeholder tokens but no media "
+                       "(pixel_values/grid_thw are None)")
+    return
   grids = vision.check_grid(grid_thw, cfg.vision)
-  tokens = np.asarray(tokens)
-  per_item = [vision.num_media_tokens(g, cfg.vision.merge_kernel_size) for g in grids]
-  media.check_counts(int(media.placeholder_mask(tokens, cfg.media_token_ids).sum()), per_item)
+  media.check_placeholders(mask, [vision.num_media_tokens(g, cfg.vision.merge_kernel_size) for g in grids])
 
 
 class K25(nn.Module):
@@ -61,6 +66,8 @@ class K25(nn.Module):
     if pixel_values is None:
       if grid_thw is not None:
         raise ValueError("grid_thw was given without pixel_values")
+      if not isinstance(tokens, jax.core.Tracer):
+        check_media(tokens, None, self.cfg)
       logits, aux = self.language_model(tokens, positions, segment_ids, return_hidden=return_hidden)
       return logits, aux
     if grid_thw is None:
@@ -91,8 +98,8 @@ def _dummy_inputs(cfg: K25Config):
 
 
 def init_params(cfg: K25Config, rng: jax.Array):
-  """Plain (unboxed) parameter pytree of a freshly initialised K25."""
-  variables = K25(cfg).init(rng, *_dummy_inputs(cfg))
+  """Plain (unboxed) parameter pytree of a freshly initialised K25 (one jitted init)."""
+  variables = jax.jit(lambda key: K25(cfg).init(key, *_dummy_inputs(cfg)))(rng)
   return nn.meta.unbox(variables["params"])
 
 

@@ -21,13 +21,36 @@ def placeholder_mask(tokens, media_token_ids: Sequence[int]):
 
 
 def check_counts(num_placeholders: int, items_tokens: Sequence[int]) -> None:
-  """Raises ValueError unless the placeholders number exactly Σ items_tokens."""
+  """Raises ValueError unless the placeholders number exactly Σ items_tokens (0 for no items)."""
   expected = int(sum(items_tokens))
   if int(num_placeholders) != expected:
     per_item = ", ".join(str(int(n)) for n in items_tokens)
     raise ValueError(f"the prompt has {int(num_placeholders)} media placeholder tokens but its media "
                      f"need {expected} ({len(items_tokens)} items: {per_item}); every item needs "
                      "exactly h·w/4 placeholders, in the order of grid_thw")
+
+
+def check_placeholders(mask: np.ndarray, items_tokens: Sequence[int]) -> None:
+  """Raises ValueError unless the placeholders match the media, item by item.
+
+  mask: bool [batch, seq] (numpy). The placeholders must number exactly Σ items_tokens, and
+  every run of consecutive placeholders in a row must hold whole items, in order (a run may
+  hold several adjacent items, never part of one).
+  """
+  mask = np.asarray(mask, bool).reshape(-1, np.shape(mask)[-1])
+  check_counts(int(mask.sum()), items_tokens)
+  per_item = ", ".join(str(int(n)) for n in items_tokens)
+  item = 0
+  for row, line in enumerate(mask):
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], line.astype(np.int8), [0]])))
+    for start, stop in zip(edges[::2], edges[1::2]):
+      need, first = 0, item
+      while need < stop - start:
+        need += int(items_tokens[item])
+        item += 1
+      if need != stop - start:
+        raise ValueError(f"the {stop - start} media placeholders at row {row}, columns {start}..{stop - 1} "
+                         f"do not hold whole items: items {first}..{item - 1} need {need} ({per_item})")
 
 
 def splice(h: jax.Array, features: jax.Array, mask: jax.Array) -> jax.Array:
