@@ -171,8 +171,6 @@ def patch_layout(grid_thw: Grid, cfg: VisionConfig, num_patches: int | None = No
   out = {}
   for name, value in layout.items():
     extra = pad_m if name == "merged_items" else pad
-    if name == "merge_index":   # slots were numbered without padding: keep them, drop pads
-      value = value.astype(np.int64)
     widths = [(0, extra)] + [(0, 0)] * (value.ndim - 1)
     out[name] = np.pad(value, widths, constant_values=fill[name]).astype(dtypes.get(name, np.int32))
   return PatchLayout(**out)
