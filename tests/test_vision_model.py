@@ -13,7 +13,7 @@ from k25jax.model import config, k25, media, vision
 from k25jax.train import sharding
 
 TEXT = config.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                          num_hidden_layers=2, num_attention_heads=2, n_routed_experts=4, num_experts_per_tok=2,
+                          num_hidden_layers=1, num_attention_heads=2, n_routed_experts=4, num_experts_per_tok=2,
                           q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
                           moe_impl="dense")
 VISION = config.VisionConfig(pos_emb_height=6, pos_emb_width=6, num_attention_heads=2, num_hidden_layers=1,
