@@ -7,8 +7,9 @@ import pytest
 
 from k25jax.agents import sandbox, tool_rollout
 from k25jax.data import chat, image_tasks, zero_vision
+from k25jax.data import vision as vision_data
 from k25jax.model import config as model_config
-from k25jax.model import transformer
+from k25jax.model import k25, transformer
 from k25jax.rl import rollout, sampler
 
 TOK = chat.ChatTokenizer()
@@ -88,29 +89,39 @@ def test_length_limit_stops_before_a_turn_that_cannot_fit(pool):
   assert t.finish == "length_limit" and len(t.tokens) + 20 > 80 and t.answer is None
 
 
-def test_sampled_logprobs_match_the_training_path_over_several_turns(pool):
-  cfg = model_config.preset("tiny", vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64,
-                            moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, n_routed_experts=4,
-                            num_experts_per_tok=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-                            qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=256)
-  params = transformer.init_params(cfg, jax.random.PRNGKey(0))
+def test_sampled_logprobs_match_the_k25_training_path_over_several_turns(pool):
+  text = model_config.preset("tiny", vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64,
+                             moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, n_routed_experts=4,
+                             num_experts_per_tok=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                             qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=128)
+  cfg = model_config.K25Config(text=text, vision=model_config.VisionConfig(num_hidden_layers=1),
+                               projection_hidden_size=64, image_token_id=TOK.media.pad,
+                               video_token_id=TOK.vocab_size, vision_start_token_id=TOK.media.begin,
+                               vision_end_token_id=TOK.media.end)
+  params = k25.init_params(cfg, jax.random.PRNGKey(0))
   # A random model made to open its turns with <|call|> or <|end|> (logits ~7 and ~6.5 against
   # ~0 for the rest) and to close a call at once: turns are short, calls are empty (malformed),
-  # so episodes go on for several turns. The layers still add to the logits.
+  # so episodes go on for several turns. The layers and the image still add to the logits.
+  lm = params["language_model"]
   e0, e1 = np.eye(32)[0], np.eye(32)[1]
-  embed = params["embed_tokens"]["embedding"]
-  params["embed_tokens"]["embedding"] = embed.at[TOK.assistant_id].set(10 * e0).at[TOK.call_id].set(10 * e1)
+  lm["embed_tokens"]["embedding"] = lm["embed_tokens"]["embedding"].at[TOK.assistant_id].set(10 * e0).at[
+      TOK.call_id].set(10 * e1)
   scale = np.sqrt(32)   # RMSNorm(10 e_i) = sqrt(d) e_i
-  params["lm_head"] = params["lm_head"].at[:, TOK.call_id].set(7 / scale * e0).at[:, TOK.end_id].set(
-      (6.5 * e0 + 8 * e1) / scale)
+  lm["lm_head"] = lm["lm_head"].at[:, TOK.call_id].set(7 / scale * e0).at[:, TOK.end_id].set((6.5 * e0 + 8 * e1) / scale)
+  tasks = image_tasks.make_tasks(8, seed=8, image_size=56)
+  items = [vision_data.preprocess_image(t.image) for t in tasks]
+  blocks = [vision_data.media_token_ids(m, TOK) for m in items]
   sampling = sampler.SamplingConfig(max_new_tokens=8, temperature=0.8, stop_tokens=(TOK.end_id,))
-  tasks = image_tasks.make_tasks(8, seed=6)
-  decode = tool_rollout.text_decoder(cfg, params, sampling, seed=1, min_rows=8)
-  transcripts = tool_rollout.play(decode, TOK, tasks, pool,
-                                  tool_rollout.RolloutConfig(max_turns=2, max_context=128, turn_tokens=8))
+  decode = tool_rollout.vision_decoder(cfg, params, sampling, lambda e: items[e], seed=3, min_rows=8)
+  transcripts = tool_rollout.play(decode, TOK, tasks, pool, tool_rollout.RolloutConfig(
+      max_turns=2, max_context=128, turn_tokens=8), media=blocks)
+  assert all(TOK.media.pad in t.tokens for t in transcripts)
   assert max(t.turns for t in transcripts) == 2 and sum(t.calls for t in transcripts) >= 2
   rows = tool_rollout.loss_rows(transcripts, seq_len=128, pad_id=TOK.pad_id)
-  logits, _ = transformer.Transformer(cfg).apply({"params": params}, jnp.asarray(rows["inputs"]))
+  pixels, layout = tool_rollout.media_batch(items, cfg, len(items))
+  logits, _ = k25.K25(cfg).apply({"params": params}, jnp.asarray(rows["inputs"]), jnp.asarray(pixels), layout)
   logp = rollout.token_logprobs(logits, jnp.asarray(rows["targets"]), 0.8)
   np.testing.assert_allclose(np.asarray(logp) * rows["mask"], rows["old_logp"], atol=2e-5)
   assert rows["mask"].sum() == sum(sum(t.loss_mask) for t in transcripts)
+  blind, _ = transformer.Transformer(text).apply({"params": params["language_model"]}, jnp.asarray(rows["inputs"]))
+  assert float(jnp.abs(logits - blind).max()) > 1e-2           # the image features did reach the logits

@@ -24,10 +24,13 @@ import dataclasses
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from k25jax.data import chat, image_tasks
-from k25jax.model.config import ModelConfig
+from k25jax.data import vision as vision_data
+from k25jax.model import k25, media as media_lib, vision
+from k25jax.model.config import K25Config, ModelConfig
 from k25jax.rl import sampler
 
 FINISHES = ("answer", "truncated", "turn_limit", "length_limit")
@@ -186,28 +189,76 @@ def _bucket(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
 
 
+def pad_contexts(contexts: Sequence[Sequence[int]], cfg: ModelConfig, sampling: sampler.SamplingConfig,
+                 min_rows: int) -> tuple[np.ndarray, np.ndarray]:
+  """Right-padded prompts [rows, width] and their lengths: width a multiple of 64 tokens,
+  rows a power of two and at least `min_rows`, so the sampler compiles for few shapes."""
+  longest = max(len(c) for c in contexts)
+  width = min(_bucket(longest, 64), cfg.max_position_embeddings - sampling.max_new_tokens)
+  if longest > width:
+    raise ValueError(f"a context of {longest} tokens leaves no room for {sampling.max_new_tokens} new ones in "
+                     f"max_position_embeddings={cfg.max_position_embeddings}")
+  rows = max(1 << (len(contexts) - 1).bit_length(), min_rows)
+  prompts = np.full((rows, width), sampling.pad_id, np.int32)
+  lengths = np.ones(rows, np.int32)
+  for i, c in enumerate(contexts):
+    prompts[i, :len(c)], lengths[i] = c, len(c)
+  return prompts, lengths
+
+
+def _turns(out: dict, n: int) -> list[tuple[list[int], list[float]]]:
+  out = jax.device_get(out)
+  return [(out["tokens"][i, :out["lengths"][i]].tolist(), out["logprobs"][i, :out["lengths"][i]].tolist())
+          for i in range(n)]
+
+
 def text_decoder(cfg: ModelConfig, params, sampling: sampler.SamplingConfig, seed: int = 0,
                  min_rows: int = 1) -> Decoder:
-  """A Decoder over the text model, one sampler call per round: contexts right-padded to a
-  multiple of 64 tokens and rows to a power of two, at least `min_rows` (so the sampler
-  compiles for a few shapes; min_rows = the wave size keeps one row count per run)."""
+  """A Decoder over the text model: one sampler call per round (`pad_contexts`; min_rows =
+  the wave size keeps one row count per run)."""
   rng = [jax.random.PRNGKey(seed)]
 
   def decode(contexts, episodes):
     del episodes
-    width = min(_bucket(max(len(c) for c in contexts), 64), cfg.max_position_embeddings - sampling.max_new_tokens)
-    if max(len(c) for c in contexts) > width:
-      raise ValueError(f"a context of {max(len(c) for c in contexts)} tokens leaves no room for "
-                       f"{sampling.max_new_tokens} new ones in max_position_embeddings={cfg.max_position_embeddings}")
-    rows = max(1 << (len(contexts) - 1).bit_length(), min_rows)
-    prompts = np.full((rows, width), sampling.pad_id, np.int32)
-    lengths = np.ones(rows, np.int32)
-    for i, c in enumerate(contexts):
-      prompts[i, :len(c)], lengths[i] = c, len(c)
+    prompts, lengths = pad_contexts(contexts, cfg, sampling, min_rows)
     rng[0], key = jax.random.split(rng[0])
-    out = jax.device_get(sampler.generate(cfg, params, prompts, lengths, key, sampling))
-    return [(out["tokens"][i, :out["lengths"][i]].tolist(), out["logprobs"][i, :out["lengths"][i]].tolist())
-            for i in range(len(contexts))]
+    return _turns(sampler.generate(cfg, params, prompts, lengths, key, sampling), len(contexts))
+  return decode
+
+
+def media_batch(items: Sequence[vision_data.Media], cfg: K25Config, rows: int
+                ) -> tuple[np.ndarray, vision.PatchLayout]:
+  """Pixel values of `items` (one per row, in row order) zero-padded to `rows` × the largest
+  item's patches, and their PatchLayout padded alike (one compilation per row count)."""
+  pixels, grids = vision_data.pack_media(items)
+  per_row = max(m.pixel_values.shape[0] for m in items)
+  budget = rows * per_row
+  padded = np.zeros((budget,) + pixels.shape[1:], np.float32)
+  padded[:len(pixels)] = pixels
+  kh, kw = cfg.vision.merge_kernel_size
+  return padded, vision.patch_layout(grids, cfg.vision, num_patches=budget, num_merged=budget // (kh * kw))
+
+
+def vision_decoder(cfg: K25Config, params, sampling: sampler.SamplingConfig,
+                   media_of: Callable[[int], vision_data.Media], seed: int = 0, min_rows: int = 1) -> Decoder:
+  """A Decoder over the K2.5 model: each context holds its episode's image block
+  (`media_of(episode)`); per round the vision tower encodes the images of the rows, and
+  the sampler splices the features into the placeholders at prefill."""
+  rng = [jax.random.PRNGKey(seed)]
+  model = k25.K25(cfg)
+  encode = jax.jit(lambda p, pixels, layout: model.apply({"params": p}, pixels, layout, method=k25.K25.encode_media))
+
+  def decode(contexts, episodes):
+    prompts, lengths = pad_contexts(contexts, cfg.text, sampling, min_rows)
+    items = [media_of(e) for e in episodes]
+    pixels, layout = media_batch(items, cfg, len(prompts))
+    mask = media_lib.placeholder_mask(prompts, cfg.media_token_ids)
+    media_lib.check_placeholders(mask, [m.num_tokens for m in items])
+    features = encode(params, pixels, layout)
+    rng[0], key = jax.random.split(rng[0])
+    out = sampler.generate(cfg.text, params["language_model"], prompts, lengths, key, sampling,
+                           media=(features, jnp.asarray(mask)))
+    return _turns(out, len(contexts))
   return decode
 
 

@@ -87,13 +87,13 @@ def check_lengths(cfg: ModelConfig, prompt_len: int, sampling: SamplingConfig) -
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling"))
-def _generate(params, prompts, prompt_lengths, rng, *, cfg: ModelConfig, sampling: SamplingConfig):
+def _generate(params, prompts, prompt_lengths, rng, media=None, *, cfg: ModelConfig, sampling: SamplingConfig):
   model = transformer.Transformer(cfg)
   batch, prompt_len = prompts.shape
   n_new = sampling.max_new_tokens
   cache = attention.init_cache(cfg, batch, prompt_len + n_new, jnp.dtype(cfg.dtype))
   positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-  logits, aux = model.apply({"params": params}, prompts, positions, cache=cache)
+  logits, aux = model.apply({"params": params}, prompts, positions, cache=cache, media=media)
   last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
   stop = jnp.asarray(sampling.stop_tokens or (-1,), jnp.int32)
 
@@ -125,8 +125,12 @@ def _generate(params, prompts, prompt_lengths, rng, *, cfg: ModelConfig, samplin
 
 
 def generate(cfg: ModelConfig, params, prompts, prompt_lengths, rng: jax.Array,
-             sampling: SamplingConfig) -> dict[str, jax.Array]:
-  """Samples up to `max_new_tokens` per row after right-padded `prompts` [b, P]."""
+             sampling: SamplingConfig, media=None) -> dict[str, jax.Array]:
+  """Samples up to `max_new_tokens` per row after right-padded `prompts` [b, P].
+
+  media: None, or (features [n, hidden], mask bool [b, P]) spliced into the prompts'
+  placeholder rows at prefill (a K2.5 prompt's images; `params` are the language model's).
+  """
   prompts = jnp.asarray(prompts, jnp.int32)
   prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
   if prompts.ndim != 2 or prompt_lengths.shape != prompts.shape[:1]:
@@ -136,4 +140,4 @@ def generate(cfg: ModelConfig, params, prompts, prompt_lengths, rng: jax.Array,
   if lengths.min() < 1 or lengths.max() > prompts.shape[1]:
     raise ValueError(f"prompt_lengths must lie in [1, {prompts.shape[1]}], got {lengths.tolist()}")
   check_lengths(cfg, prompts.shape[1], sampling)
-  return _generate(params, prompts, prompt_lengths, rng, cfg=cfg, sampling=sampling)
+  return _generate(params, prompts, prompt_lengths, rng, media, cfg=cfg, sampling=sampling)
