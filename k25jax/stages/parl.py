@@ -132,6 +132,16 @@ def warm_start(config, model, mesh, workdir: str):
   return orch, sub
 
 
+def frozen_subagents(config, workdir: str):
+  """The params of a run's frozen sub-agents, restored: `parl.subagent_checkpoint`, else the
+  run's warm start (`warm_start.checkpoint`, or the SFT model it trained under workdir/warm_start)."""
+  path = config.parl.subagent_checkpoint or config.warm_start.checkpoint or os.path.join(workdir, "warm_start")
+  boxed = transformer.abstract_params(config_utils.model_config_from(config.model))
+  mesh = sharding.make_mesh(config.mesh.to_dict())
+  target = checkpoint.abstract_target(nn.meta.unbox(boxed), sharding.logical_to_sharding(boxed, mesh))
+  return checkpoint.Checkpoints(path, keep=1).restore_params(target)
+
+
 # ------------------------------------------------------------------------------------- run
 def check(config) -> None:
   rl = config.rl
