@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 from typing import Callable, Mapping, Sequence
 
@@ -133,5 +134,13 @@ class Swarm:
     return [t.result() for t in tasks]
 
   def run(self, episodes: Sequence[widesearch.Episode]) -> list[widesearch.EpisodeResult]:
-    """Plays every episode to the end; returns their results in order."""
-    return asyncio.run(self._run(list(episodes)))
+    """Plays every episode to the end; returns their results in order. Called where an event
+    loop is already running (a Jupyter or Colab kernel), it runs on its own loop in a worker
+    thread and blocks until done."""
+    coroutine = self._run(list(episodes))
+    try:
+      asyncio.get_running_loop()
+    except RuntimeError:
+      return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as worker:
+      return worker.submit(asyncio.run, coroutine).result()
