@@ -1,23 +1,28 @@
 # python -m k25jax.main --config=configs/pretrain.py:tiny --workdir=runs/pretrain
-"""Text-only pre-training (next-token prediction) of the K2 decoder.
+"""Pre-training (next-token prediction): text-only of the K2 decoder, or joint vision–text
+of the K2.5 model.
 
 Presets: `tiny` (default; CPU, a few minutes, byte tokenizer on the Python standard
-library) and `small` (~0.9B total params, one GPU or a TPU slice, FSDP).
+library), `small` (~0.9B total params, one GPU or a TPU slice, FSDP) and `joint` (the
+tiny K2.5 on text mixed with synthetic images and videos, 10% of the tokens vision from
+step 0: `configs/pretrain.py:joint`).
 """
 import ml_collections
 
-from k25jax.train.config_utils import model_section
+from k25jax.data import visual_synthetic
+from k25jax.train.config_utils import k25_model_section, model_section
 
 
 def get_config(arg=None):
   preset = arg or "tiny"
-  if preset not in ("tiny", "small"):
-    raise ValueError(f"configs/pretrain.py: unknown preset {preset!r}; choose 'tiny' or 'small'")
-  tiny = preset == "tiny"
+  if preset not in ("tiny", "small", "joint"):
+    raise ValueError(f"configs/pretrain.py: unknown preset {preset!r}; choose 'tiny', 'small' or 'joint'")
+  tiny = preset != "small"
+  joint = preset == "joint"
   c = ml_collections.ConfigDict()
   c.stage = "pretrain"
 
-  c.model = model_section(preset)
+  c.model = k25_model_section("tiny") if joint else model_section(preset)
 
   c.data = ml_collections.ConfigDict(dict(
       source="python_stdlib",      # offline text, see k25jax/data/sources.py
@@ -26,6 +31,15 @@ def get_config(arg=None):
       max_doc_chars=1000 if tiny else 8000,
       eval_every=50,               # every 50th document is held out for evaluation
   ))
+  if joint:   # k25jax/data/mixture.py: the vision share by tokens over training
+    c.data.update(dict(
+        vision_ratio=0.1,                    # r: vision share of the tokens once vision has started
+        vision_schedule="constant",          # constant | ramp (linear from 0 at the start to r at the end)
+        vision_start=0.0,                    # fraction of the steps before vision starts (0: early fusion)
+        vision_tasks=visual_synthetic.TASKS,
+        max_patches=256,                     # the vision tower's patch budget per batch
+        vision_eval_batches=2,               # held-out vision-only batches per evaluation
+    ))
 
   c.optimizer = ml_collections.ConfigDict(dict(
       name="adamw",                        # adamw | muonclip (Muon + QK-Clip, AdamW for the rest)
@@ -64,4 +78,9 @@ def get_config(arg=None):
       balance_loss_alpha=1e-4,             # α of the sequence-wise balance loss
       z_loss=1e-4,
   ))
+  if joint:
+    c.train.update(dict(
+        init_from="",                        # a K2.5 stage's workdir (e.g. runs/vit): start from its params
+        init_lm_from="",                     # a text pretrain workdir: start the language model from it
+    ))
   return c

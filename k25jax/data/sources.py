@@ -1,4 +1,8 @@
-"""Offline text sources: text that ships with every Python install, no download.
+"""Offline text sources: text that ships with every Python install, or is generated, no download.
+
+`visual_captions` is the text side of the synthetic visual tasks (prompts and answers,
+k25jax.data.visual_synthetic, 1000 documents of 8 lines, from a seed of their own), for a language model that
+already speaks the captions' language when the ViT stage aligns images to it.
 
 `python_stdlib` reads the top-level modules of the running interpreter's standard
 library (about 170 files, ~4.7 MB of Python source and docstrings), in sorted
@@ -10,7 +14,9 @@ import glob
 import os
 import sysconfig
 
-SOURCES = ("python_stdlib",)
+from k25jax.data import visual_synthetic
+
+SOURCES = ("python_stdlib", "visual_captions")
 
 
 def paragraphs_to_documents(text: str, max_chars: int) -> list[str]:
@@ -55,4 +61,6 @@ def split(docs: list[str], eval_every: int) -> tuple[list[str], list[str]]:
 def load(name: str, max_chars: int) -> list[str]:
   if name == "python_stdlib":
     return python_stdlib(max_chars)
+  if name == "visual_captions":
+    return [d[:max_chars] for d in visual_synthetic.caption_documents(1000, seed=1234)]
   raise ValueError(f"data.source={name!r}; available: {SOURCES}")

@@ -5,14 +5,14 @@ the task is `tasks[index % len(tasks)]`. Tasks, their prompt and the exact answe
 
     caption  56×56   1–2 shapes (square | circle | triangle) in red | green | blue |
                      yellow, each in its own quadrant       "caption:" → "red circle top left, blue square bottom right"
-    count    56×56   1–4 shapes in distinct cells of a 3×3 grid       "count:"   → "3"
+    count    56×56   1–4 shapes, each in its own quadrant             "count:"   → "3"
     read     56×56   a 3-digit number or a 3-letter word, 5×7 bitmap glyphs drawn ×2
                                                                       "read:"    → "407" | "CAT"
     chart    56×84   four bars of heights 1–5 units                   "chart:"   → "3 1 4 2"
     motion   4 frames 56×56 at 2 fps, one shape moving 7 px a frame   "motion:"  → "red square moving left"
 
 Shapes are 12–18 px, colours jittered by up to ±24 per channel, on a dark noisy
-background. Sizes come from a few buckets (56×56, 56×84, 4×56×56) so the vision tower
+background. A quadrant is 28×28 px: one merged token of the vision tower (2×2 patches of 14). Sizes come from a few buckets (56×56, 56×84, 4×56×56) so the vision tower
 sees a bounded set of grids.
 
 A `VisionSample` is the tokenized example: [BOS] + media blocks + prompt + " " + answer +
@@ -130,10 +130,10 @@ def caption(rng: np.random.Generator) -> Example:
 def count(rng: np.random.Generator) -> Example:
   image = background(rng, (SIDE, SIDE))
   n = int(rng.integers(1, 5))
-  for cell in rng.choice(9, size=n, replace=False):
+  for q in rng.choice(4, size=n, replace=False):
     shape, colour = SHAPES[rng.integers(len(SHAPES))], list(COLOURS)[rng.integers(len(COLOURS))]
-    center = (9.5 + 18.5 * (cell // 3) + rng.uniform(-1.5, 1.5), 9.5 + 18.5 * (cell % 3) + rng.uniform(-1.5, 1.5))
-    paint(image, shape_mask(shape, int(rng.integers(10, 14)), center, image.shape[:2]), colour, rng)
+    center = (14 + 28 * (q // 2) + rng.uniform(-3, 3), 14 + 28 * (q % 2) + rng.uniform(-3, 3))
+    paint(image, shape_mask(shape, int(rng.integers(12, 19)), center, image.shape[:2]), colour, rng)
   return Example("count", image[None], "count:", str(n))
 
 
@@ -230,3 +230,11 @@ def to_sample(ex: Example, tok) -> VisionSample:
 
 def sample(index: int, seed: int, tok, tasks: Sequence[str] = TASKS) -> VisionSample:
   return to_sample(example(index, seed, tasks), tok)
+
+
+def caption_documents(n: int, seed: int, tasks: Sequence[str] = TASKS, lines: int = 8) -> list[str]:
+  """`n` text documents of `lines` "prompt answer" lines each: the language of the synthetic
+  tasks without their images (a text corpus for the language model the ViT stage aligns to)."""
+  tasks = check_tasks(tasks)
+  return ["\n".join(f"{ex.prompt} {ex.answer}" for ex in (example(d * lines + i, seed, tasks) for i in range(lines)))
+          for d in range(n)]

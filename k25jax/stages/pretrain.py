@@ -1,9 +1,17 @@
-"""Text-only pre-training of the K2 decoder: next-token prediction on packed documents.
+"""Pre-training: next-token prediction on packed documents, text-only or joint vision–text.
 
 Per step, with packed rows (segment_ids, positions) and loss mask w:
 
     L = CE(θ) + z · mean_t (log Z_t)² + α · L_balance          (k25jax.losses.next_token_loss)
     θ ← AdamW or MuonClip(θ, ∇L)   (router biases excluded),   b_l ← b_l + γ · sign(mean(load_l) − load_l)
+
+Text-only (`configs/pretrain.py`): the K2 decoder on the text source. Joint
+(`configs/pretrain.py:joint`, a `model` section with `vision`): the K2.5 model on rows
+that mix text with synthetic vision samples, the vision share by tokens following
+`data.vision_ratio` / `vision_schedule` / `vision_start` (k25jax.data.mixture: constant
+from step 0 is early fusion, a late start late fusion); every part of the model trains,
+vision samples put the loss on their answers. Evaluation: held-out text loss, and the
+loss and `answer_exact` of held-out vision samples.
 """
 from __future__ import annotations
 
@@ -13,9 +21,12 @@ import ml_collections
 from absl import logging
 
 from k25jax import losses
-from k25jax.data import pipeline, sources, tokenizer
-from k25jax.model import transformer
-from k25jax.train import checkpoint, config_utils, loop, optimizer, sharding, state as state_lib, step
+from k25jax.data import mixture, pipeline, sources, tokenizer
+from k25jax.model import k25, transformer
+from k25jax.model.config import K25Config
+from k25jax.train import checkpoint, config_utils, loop, multimodal, optimizer, sharding, state as state_lib, step
+
+LM = "language_model"
 
 
 def make_loss(config: ml_collections.ConfigDict, model: transformer.Transformer):
@@ -36,8 +47,10 @@ def make_loss(config: ml_collections.ConfigDict, model: transformer.Transformer)
   return loss_fn
 
 
-def make_step(config: ml_collections.ConfigDict, model: transformer.Transformer, tx):
+def make_step(config: ml_collections.ConfigDict, model: transformer.Transformer | k25.K25, tx):
   """The jitted train step (state, batch) -> (state, metrics); call under `jax.set_mesh`."""
+  if isinstance(model, k25.K25):
+    return make_joint_step(config, model, tx)
   abstract = state_lib.abstract(transformer.abstract_params(model.cfg), tx)
   return step.make_train_step(make_loss(config, model), tx, abstract,
                               router_gamma=config.train.router_bias_rate,
@@ -89,6 +102,8 @@ def check(config, model_cfg, tok, mesh) -> None:
 def run(config: ml_collections.ConfigDict, workdir: str):
   """Trains to `config.train.steps`, resuming from the workdir's latest checkpoint.
   Returns (state, history) with history the logged metrics (see `loop.train`)."""
+  if "vision" in config.model:
+    return run_joint(config, workdir)
   model_cfg = config_utils.model_config_from(config.model)
   tok = tokenizer.load(config.data.tokenizer, config.data.vocab_file)
   mesh = sharding.make_mesh(config.mesh.to_dict())
@@ -117,6 +132,88 @@ def run(config: ml_collections.ConfigDict, workdir: str):
         log_every=config.train.log_every, eval_every=config.train.eval_every,
         checkpoint_every=config.train.checkpoint_every,
         evaluate_fn=lambda s: loop.evaluate(eval_step, s, eval_batches),
+        save_fn=lambda n, s: checkpoints.save(n, s, train_data), writer=writer)
+  checkpoints.close()
+  writer.close()
+  return state, history
+
+
+# ------------------------------------------------------------------------ joint vision–text
+def make_joint_step(config: ml_collections.ConfigDict, model: k25.K25, tx):
+  """(state, device batch) -> (state, metrics): one compilation for batches with media (padded
+  to the patch budget) and one for text-only batches (before a late vision start)."""
+  loss_fn = multimodal.make_loss(config, model)
+  kw = dict(router_gamma=config.train.router_bias_rate, first_moe_layer=model.cfg.text.first_k_dense_replace,
+            qk_clip_tau=optimizer.qk_clip_tau(config.optimizer), lm_key=LM)
+  abstract = multimodal.abstract_state(model.cfg, tx)
+  with_media = step.make_train_step(loss_fn, tx, abstract, batch_specs=multimodal.batch_specs(True), **kw)
+  text_only = step.make_train_step(loss_fn, tx, abstract, batch_specs=multimodal.batch_specs(False), **kw)
+  return lambda state, batch: (with_media if "pixel_values" in batch else text_only)(state, batch)
+
+
+def joint_schedule(config) -> mixture.VisionSchedule:
+  return mixture.VisionSchedule(config.data.vision_ratio, config.data.vision_schedule, config.data.vision_start)
+
+
+def joint_datasets(config, tok):
+  """(train mixture, held-out text batches, held-out vision batches)."""
+  train_docs, eval_docs = sources.split(sources.load(config.data.source, config.data.max_doc_chars),
+                                        config.data.eval_every)
+  kw = dict(tok=tok, tasks=config.data.vision_tasks, batch=config.train.batch, seq_len=config.train.seq_len,
+            total_steps=config.train.steps, max_patches=config.data.max_patches)
+  train = mixture.mixture(docs=train_docs, schedule=joint_schedule(config), seed=config.train.seed, **kw)
+  text = mixture.mixture(docs=eval_docs, schedule=mixture.VisionSchedule(0.0), seed=config.train.seed,
+                         shuffle=False, **kw)
+  vision = mixture.mixture(docs=None, schedule=mixture.VisionSchedule(1.0), seed=config.train.seed + 1, **kw)
+  return (train, [next(text) for _ in range(config.train.eval_batches)],
+          [next(vision) for _ in range(config.data.vision_eval_batches)])
+
+
+def joint_evaluate(eval_steps, state, text_batches, vision_batches) -> dict[str, float]:
+  """Held-out text loss/accuracy, and `vision_*` metrics of held-out vision samples (with
+  train.eval_batches = data.vision_eval_batches = 0 the run does not evaluate)."""
+  out = multimodal.evaluate(eval_steps[False], state, text_batches)
+  out.pop("answer_exact", None)
+  vision = multimodal.evaluate(eval_steps[True], state, vision_batches)
+  return {**out, **{f"vision_{k}": v for k, v in vision.items()}}
+
+
+def run_joint(config: ml_collections.ConfigDict, workdir: str, model_cfg: K25Config | None = None):
+  """Joint vision–text pre-training (module docstring); `model_cfg` overrides the config's
+  model (mid-training sets YaRN). Returns (state, history)."""
+  multimodal.check_single_process(config.stage)
+  tok = tokenizer.load(config.data.tokenizer, config.data.vocab_file, media=True)
+  model_cfg = model_cfg or config_utils.k25_config_from(config.model, tok.media)
+  mesh = sharding.make_mesh(config.mesh.to_dict())
+  check(config, model_cfg.text, tok, mesh)
+  checkpoints = checkpoint.Checkpoints(workdir, keep=config.train.keep_checkpoints)
+  writer = loop.MetricWriter(workdir)
+  train_data, text_eval, vision_eval = joint_datasets(config, tok)
+  model = k25.K25(model_cfg)
+  tx = optimizer.make_optimizer(config.optimizer, config.train.steps)
+  prepare = lambda b: multimodal.to_device(multimodal.device_features(b, model_cfg, config.data.max_patches), mesh)
+
+  with jax.set_mesh(mesh):
+    create, target = multimodal.init_state(config, model_cfg, tx, mesh)
+    state = checkpoints.restore_latest(target, train_data)
+    if state is None:
+      state = create(multimodal.initial_params(config, model_cfg, mesh))
+    schedule = joint_schedule(config)
+    logging.info("%s: joint vision–text, vision share %s %.2f from %.0f%% of the steps (overall %.3f), "
+                 "mesh %s, starting at step %d", config.stage, schedule.kind, schedule.ratio,
+                 100 * schedule.start, schedule.overall_share, dict(mesh.shape), int(state.step))
+    train_step = make_step(config, model, tx)
+    abstract = multimodal.abstract_state(model_cfg, tx)
+    eval_steps = {media: step.make_eval_step(multimodal.make_loss(config, model), abstract,
+                                             batch_specs=multimodal.batch_specs(media)) for media in (False, True)}
+    text_batches, vision_batches = [prepare(b) for b in text_eval], [prepare(b) for b in vision_eval]
+    state, history = loop.train(
+        state, train_step=train_step, next_batch=lambda: prepare(next(train_data)),
+        total_steps=config.train.steps, tokens_per_step=config.train.batch * config.train.seq_len,
+        log_every=config.train.log_every, eval_every=config.train.eval_every,
+        checkpoint_every=config.train.checkpoint_every,
+        evaluate_fn=(lambda s: joint_evaluate(eval_steps, s, text_batches, vision_batches))
+        if text_batches and vision_batches else None,
         save_fn=lambda n, s: checkpoints.save(n, s, train_data), writer=writer)
   checkpoints.close()
   writer.close()

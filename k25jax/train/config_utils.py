@@ -27,6 +27,28 @@ def model_config_from(section: ml_collections.ConfigDict) -> model_config.ModelC
   return model_config.ModelConfig(**fields)
 
 
+def k25_model_section(preset: str, **text_overrides) -> ml_collections.ConfigDict:
+  """The `model` section of a multimodal stage: every `ModelConfig` field under `text`,
+  every `VisionConfig` field under `vision`, and the projector's LayerNorm eps."""
+  cfg = model_config.k25_preset(preset)
+  text = dataclasses.asdict(cfg.text.replace(**text_overrides))
+  vision = dataclasses.asdict(cfg.vision)
+  return ml_collections.ConfigDict({"preset": preset, "text": text, "vision": vision,
+                                    "projection_layer_norm_eps": cfg.projection_layer_norm_eps})
+
+
+def k25_config_from(section: ml_collections.ConfigDict, media_ids) -> model_config.K25Config:
+  """The K25Config of a `k25_model_section`, its media ids from the tokenizer's
+  (`tokenizer.MediaIds`): placeholder = <|media_pad|>, vision start/end = begin/end."""
+  vision = model_config.VisionConfig(**section.vision.to_dict())
+  text = model_config.ModelConfig(**section.text.to_dict())
+  video_id = max(media_ids) + 1   # never in our token stream: video chunks use <|media_pad|> too
+  return model_config.K25Config(text=text, vision=vision, projection_hidden_size=vision.hidden_size,
+                                projection_layer_norm_eps=section.projection_layer_norm_eps,
+                                image_token_id=media_ids.pad, video_token_id=video_id,
+                                vision_start_token_id=media_ids.begin, vision_end_token_id=media_ids.end)
+
+
 def adamw_section(lr: float, warmup_steps: int, decay_steps: int, *, weight_decay: float = 0.0,
                   b2: float = 0.95, grad_clip: float = 1.0) -> ml_collections.ConfigDict:
   """An `optimizer` section for AdamW under the WSD schedule (k25jax.train.optimizer)."""

@@ -1,0 +1,111 @@
+"""The ViT stage: MoonViT-3D and the projector learn to caption; the language model is frozen.
+
+Per step, on batches of synthetic vision samples only (k25jax.data.mixture, ratio 1):
+
+    L = CE over the answer tokens (captions, counts, read text, chart values, motion)
+    phase 1, step < vit.projector_only_from:  θ_vit, θ_proj ← AdamW(θ, ∇L)
+    phase 2, after:                           θ_proj ← AdamW(θ_proj, ∇L),  θ_vit fixed
+    θ_LM frozen throughout (no gradient is computed for it; the optimizer sets its updates to 0)
+
+The language model starts from `train.init_lm_from` (a text pretrain workdir), or all
+params from `train.init_from` (a K2.5 stage's workdir), or from a random init. Held-out vision samples (another seed) give the eval loss and
+`answer_exact`, the fraction of samples whose whole answer greedy decoding would produce.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from absl import logging
+
+from k25jax.data import mixture, tokenizer
+from k25jax.model import k25
+from k25jax.train import checkpoint, config_utils, loop, multimodal, optimizer, sharding, step
+
+LM, VIT, PROJECTOR = "language_model", "vision_tower", "mm_projector"
+
+
+def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """AdamW (WSD schedule, clipped per part) on the tower and the projector, the tower's
+  updates gated to 0 from step `vit.projector_only_from`; the language model never moves."""
+  opt = config.optimizer
+  if opt.name != "adamw":
+    raise ValueError(f"optimizer.name={opt.name!r}: the vit stage uses 'adamw'")
+  schedule = optimizer.wsd_schedule(opt.lr, config.train.steps, opt.warmup_steps, opt.decay_steps,
+                                    opt.final_lr_ratio)
+  adamw = lambda: optax.chain(
+      optax.clip_by_global_norm(opt.grad_clip),
+      optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
+                  mask=optimizer.decay_mask))
+  boundary = config.vit.projector_only_from
+  vit_gate = optax.scale_by_schedule(lambda count: jnp.where(count < boundary, 1.0, 0.0))
+  return optax.multi_transform({VIT: optax.chain(adamw(), vit_gate), PROJECTOR: adamw(),
+                                LM: optax.set_to_zero()}, lambda params: {k: k for k in params})
+
+
+def make_step(config: ml_collections.ConfigDict, model: k25.K25, tx):
+  """The jitted train step (state, device batch with media) -> (state, metrics)."""
+  return step.make_train_step(multimodal.make_loss(config, model, frozen=(LM,)), tx,
+                              multimodal.abstract_state(model.cfg, tx), router_gamma=0.0,
+                              first_moe_layer=model.cfg.text.first_k_dense_replace,
+                              batch_specs=multimodal.batch_specs(True), lm_key=LM)
+
+
+def make_eval_step(config: ml_collections.ConfigDict, model: k25.K25, tx):
+  return step.make_eval_step(multimodal.make_loss(config, model), multimodal.abstract_state(model.cfg, tx),
+                             batch_specs=multimodal.batch_specs(True))
+
+
+def datasets(config, tok):
+  """(train iterator, eval batches): vision samples only, eval from seed train.seed + 1."""
+  kw = dict(docs=None, tok=tok, schedule=mixture.VisionSchedule(1.0), tasks=config.data.tasks,
+            batch=config.train.batch, seq_len=config.train.seq_len, total_steps=config.train.steps,
+            max_patches=config.data.max_patches)
+  train = mixture.mixture(seed=config.train.seed, **kw)
+  held_out = mixture.mixture(seed=config.train.seed + 1, **kw)
+  return train, [next(held_out) for _ in range(config.train.eval_batches)]
+
+
+def check(config) -> None:
+  if not 0 <= config.vit.projector_only_from <= config.train.steps:
+    raise ValueError(f"vit.projector_only_from={config.vit.projector_only_from} must lie in "
+                     f"[0, train.steps={config.train.steps}]")
+
+
+def run(config: ml_collections.ConfigDict, workdir: str):
+  """Trains to `config.train.steps`, resuming from the workdir. Returns (state, history)."""
+  multimodal.check_single_process("vit")
+  check(config)
+  tok = tokenizer.load(config.data.tokenizer, config.data.vocab_file, media=True)
+  model_cfg = config_utils.k25_config_from(config.model, tok.media)
+  if tok.vocab_size > model_cfg.text.vocab_size:
+    raise ValueError(f"data.tokenizer has {tok.vocab_size} ids but model.text.vocab_size={model_cfg.text.vocab_size}")
+  mesh = sharding.make_mesh(config.mesh.to_dict())
+  model = k25.K25(model_cfg)
+  tx = make_optimizer(config)
+  checkpoints = checkpoint.Checkpoints(workdir, keep=config.train.keep_checkpoints)
+  writer = loop.MetricWriter(workdir)
+  train_data, eval_data = datasets(config, tok)
+  prepare = lambda b: multimodal.to_device(multimodal.device_features(b, model_cfg, config.data.max_patches), mesh)
+
+  with jax.set_mesh(mesh):
+    create, target = multimodal.init_state(config, model_cfg, tx, mesh)
+    state = checkpoints.restore_latest(target, train_data)
+    if state is None:
+      state = create(multimodal.initial_params(config, model_cfg, mesh))
+    logging.info("vit: projector only from step %d, LM %s, starting at step %d", config.vit.projector_only_from,
+                 config.train.init_lm_from or config.train.init_from or "random (frozen)", int(state.step))
+    train_step = make_step(config, model, tx)
+    eval_step = make_eval_step(config, model, tx)
+    eval_batches = [prepare(b) for b in eval_data]
+    state, history = loop.train(
+        state, train_step=train_step, next_batch=lambda: prepare(next(train_data)),
+        total_steps=config.train.steps, tokens_per_step=config.train.batch * config.train.seq_len,
+        log_every=config.train.log_every, eval_every=config.train.eval_every,
+        checkpoint_every=config.train.checkpoint_every,
+        evaluate_fn=lambda s: multimodal.evaluate(eval_step, s, eval_batches),
+        save_fn=lambda n, s: checkpoints.save(n, s, train_data), writer=writer)
+  checkpoints.close()
+  writer.close()
+  return state, history
