@@ -35,6 +35,10 @@ setup(
             "nbformat",        # colab/*.ipynb executed top to bottom by tests/test_notebooks.py
             "nbclient",
             "ipykernel",       # the python3 kernel nbclient starts
+            "jax[tpu]>=0.10.2",  # libtpu for tests/test_aot_compile.py (compile only; the CPU stays the backend)
         ],
+        # libtpu at jax's version: TPU runs, and compiling a pod's train step from a CPU
+        # (experiments/aot_compile.py).
+        "tpu": ["jax[tpu]>=0.10.2"],
     },
 )
