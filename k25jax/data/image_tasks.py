@@ -1,7 +1,7 @@
 """Verifiable questions about synthetic images: counting, locating, comparing, reading.
 
 Every task is one image (uint8 [S, S, 3], drawn here from its parameters) with a name
-(`img_1`..`img_8`), a question that refers to the image by that name, the exact answer
+(`img_1`..`img_4`), a question that refers to the image by that name, the exact answer
 (a short string, computed from the drawing parameters, not by the tool), and reference
 tool programs that answer it with `k25jax.agents.image_ops` (one call, or two calls that
 share state):
@@ -25,7 +25,7 @@ import numpy as np
 KINDS = ("count", "locate", "compare", "read")
 OBJECT_COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "yellow": (255, 255, 0),
                   "cyan": (0, 255, 255), "magenta": (255, 0, 255), "white": (255, 255, 255)}
-IMAGE_NAMES = tuple(f"img_{i}" for i in range(1, 9))
+IMAGE_NAMES = tuple(f"img_{i}" for i in range(1, 5))
 JITTER = 16
 GAP = 2
 MAX_COUNT = 4
