@@ -9,7 +9,7 @@ from config_files import load_config
 from k25jax.data import mixture, tokenizer
 from k25jax.model import k25
 from k25jax.stages import midtrain, pretrain, vit
-from k25jax.train import config_utils, multimodal, sharding, state as state_lib, step as step_lib
+from k25jax.train import checkpoint, config_utils, multimodal, sharding, state as state_lib, step as step_lib
 
 MICRO_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                   num_hidden_layers=2, num_attention_heads=2, n_routed_experts=4, num_experts_per_tok=2,
@@ -44,62 +44,68 @@ def test_vit_optimizer_phases():
 
 @pytest.fixture(scope="module")
 def vit_run(tmp_path_factory):
-  config = micro("configs/vit.py", steps=40, seq_len=64, eval_every=40, checkpoint_every=40)
+  """A micro language model pretrained on the captions' text (no images), then the ViT stage on it."""
+  lm_dir = str(tmp_path_factory.mktemp("caption_lm"))
+  text = load_config("configs/pretrain.py")
+  text.model = config_utils.model_section("tiny", **MICRO_TEXT)
+  text.data.update(source="visual_captions", eval_every=1000)
+  text.train.update(steps=80, batch=8, seq_len=64, log_every=80, eval_every=80, eval_batches=1, checkpoint_every=80)
+  text.optimizer.update(lr=3e-3, warmup_steps=5, decay_steps=20)
+  pretrain.run(text, lm_dir)
+  config = micro("configs/vit.py", steps=40, seq_len=96, eval_every=40, checkpoint_every=40, init_lm_from=lm_dir)
   config.vit.projector_only_from = 30
   config.optimizer.update(lr=3e-3, warmup_steps=2, decay_steps=5)
-  config.data.update(tasks=("count",), max_patches=512)
+  config.data.update(tasks=("caption", "count"), max_patches=512)
   state, history = vit.run(config, str(tmp_path_factory.mktemp("vit")))
-  return config, jax.device_get(state), history
+  return config, lm_dir, jax.device_get(state), history
 
 
 @pytest.mark.slow
 def test_vit_caption_loss_falls_and_the_lm_stays_frozen(vit_run):
-  config, state, history = vit_run
+  config, lm_dir, state, history = vit_run
   train = [h["loss"] for h in history if h["split"] == "train"]
-  assert np.mean(train[-5:]) < np.mean(train[:5]) - 0.3, train
+  assert np.mean(train[-10:]) < train[0] - 0.08, train     # the projector learns to speak to the frozen LM
   cfg = config_utils.k25_config_from(config.model, TOK.media)
-  initial = k25.init_params(cfg, jax.random.split(jax.random.PRNGKey(config.train.seed))[0])
-  jax.tree.map(np.testing.assert_array_equal, state.params[vit.LM], jax.device_get(initial[vit.LM]))
+  mesh = sharding.make_mesh(config.mesh.to_dict())
+  with jax.set_mesh(mesh):
+    lm = checkpoint.Checkpoints(lm_dir, keep=1).restore_params(multimodal.params_target(cfg, mesh, vit.LM))
+  jax.tree.map(np.testing.assert_array_equal, state.params[vit.LM], jax.device_get(lm))
 
 
 # ------------------------------------------------------------------------------ joint / midtrain
-@pytest.mark.slow
-def test_joint_pretrain_late_fusion_runs_both_steps(tmp_path):
-  config = micro("configs/pretrain.py", "joint", steps=4, seq_len=64, eval_every=4, checkpoint_every=4)
-  config.data.update(vision_ratio=0.5, vision_start=0.5, max_patches=512, vision_tasks=("count", "motion"))
-  config.optimizer.update(warmup_steps=1, decay_steps=1)
-  state, history = pretrain.run(config, str(tmp_path))
-  assert int(state.step) == 4
-  train = [h for h in history if h["split"] == "train"]
-  assert all(np.isfinite(h["loss"]) for h in train) and all(h["media_mismatch"] == 0 for h in train)
-  assert [h["answer_count"] > 0 for h in train] == [False, False, True, True]   # vision from step 2 on
-  evals = [h for h in history if h["split"] == "eval"][-1]
-  assert {"loss", "vision_loss", "vision_answer_exact"} <= set(evals)
+def test_joint_preset_is_the_k25_model_with_a_vision_schedule():
+  config = load_config("configs/pretrain.py", "joint")
+  assert "vision" in config.model and config.data.vision_ratio == 0.1 and config.data.vision_start == 0.0
+  assert pretrain.joint_schedule(config).overall_share == pytest.approx(0.1)
+  assert "vision" not in load_config("configs/pretrain.py").model     # the text-only default is unchanged
 
 
 @pytest.mark.slow
-def test_midtrain_runs_with_yarn_and_rows_sharded_along_sequence(tmp_path):
+def test_midtrain_late_fusion_with_yarn_and_rows_sharded_along_sequence(tmp_path):
+  """Joint rows (text-only before vision starts at step 2), YaRN, 8 devices along `sequence`."""
   config = micro("configs/midtrain.py", steps=2, seq_len=128, batch=2, eval_batches=0, checkpoint_every=2)
   config.long_context.update(original_context=32, yarn_factor=4.0)
-  config.data.update(max_doc_chars=2000, max_patches=256, vision_ratio=0.3, vision_eval_batches=0)
+  config.data.update(max_doc_chars=2000, max_patches=256, vision_ratio=0.4, vision_start=0.5, vision_eval_batches=0,
+                     vision_tasks=("count", "motion"))
   config.optimizer.update(warmup_steps=1, decay_steps=1)
   model_cfg = midtrain.long_context_model(config)
   assert model_cfg.text.rope_scaling["factor"] == 4.0 and model_cfg.text.max_position_embeddings == 128
   _, history = midtrain.run(config, str(tmp_path))           # mesh.sequence = -1: all 8 devices
+  train = [h for h in history if h["split"] == "train"]
+  assert [h["answer_count"] > 0 for h in train] == [False, True] and all(h["media_mismatch"] == 0 for h in train)
   # step 1's loss (initial params, first batch, rows split over 8 devices along the sequence)
   # equals the loss of the same batch and params on one device
   batch = multimodal.device_features(next(pretrain.joint_datasets(config, TOK)[0]), model_cfg,
                                      config.data.max_patches)
-  assert "pixel_values" in batch
   params = k25.init_params(model_cfg, jax.random.split(jax.random.PRNGKey(config.train.seed))[0])
   mesh = sharding.make_mesh(dict(data=1), devices=jax.devices()[:1])
   with jax.set_mesh(mesh):
     abstract = multimodal.abstract_state(model_cfg, optax.identity())
     eval_step = step_lib.make_eval_step(multimodal.make_loss(config, k25.K25(model_cfg)), abstract,
-                                        batch_specs=multimodal.batch_specs(True))
+                                        batch_specs=multimodal.batch_specs(False))
     state = state_lib.create(params, optax.identity(), jax.random.PRNGKey(0))
     loss = float(eval_step(state, multimodal.to_device(batch, mesh))["loss"])
-  np.testing.assert_allclose(history[0]["loss"], loss, rtol=1e-5)
+  np.testing.assert_allclose(train[0]["loss"], loss, rtol=1e-5)
   config.train.seq_len = 256
   with pytest.raises(ValueError, match="exceeds the YaRN context"):
     midtrain.long_context_model(config)

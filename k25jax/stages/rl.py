@@ -15,6 +15,7 @@ one by SFT on the task's demonstrations (`warm_start`), saved under workdir/warm
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -185,25 +186,31 @@ def warm_start_key(config) -> str:
 def shared_warm_start(config, root: str) -> str:
   """A directory for `warm_start.checkpoint`: the SFT warm start of `config`, trained once
   under root/<warm_start_key>/warm_start and reused by every later call with the same
-  sections (runs that differ only in their RL settings share it). A configured
-  `warm_start.checkpoint` is returned as it is."""
+  sections (runs that differ only in their RL settings share it; concurrent callers wait
+  on a file lock for the one training it). A configured `warm_start.checkpoint` is
+  returned as it is."""
   if config.warm_start.checkpoint:
     return config.warm_start.checkpoint
   workdir = os.path.join(root, warm_start_key(config))
+  os.makedirs(workdir, exist_ok=True)
   model = transformer.Transformer(config_utils.model_config_from(config.model))
   mesh = sharding.make_mesh(config.mesh.to_dict())
-  with jax.set_mesh(mesh):
+  with open(os.path.join(workdir, ".lock"), "w") as lock, jax.set_mesh(mesh):
+    fcntl.flock(lock, fcntl.LOCK_EX)         # released when the file closes
     warm_start(config, model, TASKS[config.task.name](config.task), mesh, workdir)   # resumes; 0 steps if done
   return os.path.join(workdir, "warm_start")
 
 
 # ------------------------------------------------------------------------------------- run
+IMAGE_TASK = "image"
+
+
 def check(config) -> None:
   if config.rl.num_generations < 2:
     raise ValueError(f"rl.num_generations={config.rl.num_generations}: group advantages need K >= 2 "
                      "samples per prompt (an empty group has no baseline)")
-  if config.task.name not in TASKS:
-    raise ValueError(f"task.name={config.task.name!r}; choose from {sorted(TASKS)}")
+  if config.task.name not in TASKS and config.task.name != IMAGE_TASK:
+    raise ValueError(f"task.name={config.task.name!r}; choose from {sorted(TASKS) + [IMAGE_TASK]}")
   rollouts = config.rl.prompts_per_iteration * config.rl.num_generations
   if rollouts % config.rl.minibatches:
     raise ValueError(f"rl.minibatches={config.rl.minibatches} must divide the {rollouts} rollouts per iteration")
