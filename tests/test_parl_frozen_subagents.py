@@ -13,9 +13,15 @@ from k25jax.train import checkpoint, config_utils
 from k25jax.train import state as state_lib
 
 
+def _config():
+  config = load_config("configs/parl.py")
+  config.model.num_hidden_layers = 1       # what is restored matters here, not the model
+  return config
+
+
 def _save(path, seed):
   """A checkpoint of a fresh state (as sft.train writes it) under path/checkpoints; returns its params."""
-  config = load_config("configs/parl.py")
+  config = _config()
   params = transformer.init_params(config_utils.model_config_from(config.model), jax.random.PRNGKey(seed))
   saver = checkpoint.Checkpoints(path, keep=1)
   saver.save(1, state_lib.create(params, optax.sgd(0.1), jax.random.PRNGKey(0)))
@@ -33,7 +39,7 @@ def _assert_same(a, b):
 def test_the_warm_start_the_run_trained_unless_a_subagent_checkpoint_is_set(tmp_path):
   workdir = str(tmp_path / "run")
   warm = _save(os.path.join(workdir, "warm_start"), seed=1)
-  config = load_config("configs/parl.py")
+  config = _config()
   _assert_same(parl.frozen_subagents(config, workdir), warm)
   config.parl.subagent_checkpoint = str(tmp_path / "subagents")
   frozen = _save(config.parl.subagent_checkpoint, seed=2)

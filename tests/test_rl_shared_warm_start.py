@@ -1,4 +1,6 @@
 """rl.shared_warm_start: one SFT warm start per (model, task, warm_start) sections, trained once."""
+import concurrent.futures
+import fcntl
 import os
 
 from config_files import load_config
@@ -32,3 +34,11 @@ def test_the_warm_start_is_trained_once_and_then_reused(tmp_path):
   given = _config()
   given.warm_start.checkpoint = "/somewhere/warm_start"
   assert rl.shared_warm_start(given, root) == "/somewhere/warm_start"
+
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    with open(os.path.join(root, rl.warm_start_key(other), ".lock"), "w") as held:
+      fcntl.flock(held, fcntl.LOCK_EX)               # as if another process were training it
+      waiting = pool.submit(rl.shared_warm_start, other, root)
+      concurrent.futures.wait([waiting], timeout=3)
+      assert not waiting.done()
+    assert waiting.result(timeout=600) == first
