@@ -36,7 +36,7 @@ RECORDED = {   # sha256 of (grid_thw, pixel values mapped back to uint8) of tran
 }
 
 
-def test_image(h, w, seed=0):
+def gradient_image(h, w, seed=0):
   """A smooth gradient plus noise, so resampling errors show in every pixel."""
   rng = np.random.default_rng([seed, h, w])
   y, x = np.mgrid[0:h, 0:w]
@@ -44,15 +44,8 @@ def test_image(h, w, seed=0):
   return np.clip(smooth + rng.normal(0, 25, (h, w, 3)), 0, 255).astype(np.uint8)
 
 
-test_image.__test__ = False   # a helper, not a test
-
-
-def test_video(t, h, w):
-  frames = np.stack([test_image(h, w, seed=i) for i in range(t)])
-  return frames
-
-
-test_video.__test__ = False
+def gradient_video(t, h, w):
+  return np.stack([gradient_image(h, w, seed=i) for i in range(t)])
 
 
 def digest(pixel_values, grid) -> str:
@@ -98,7 +91,7 @@ def test_navit_size_by_hand():
 def test_image_matches_transformers_processor(case):
   image_processor, _ = transformers_processors()
   h, w, max_patches = case
-  image = test_image(h, w)
+  image = gradient_image(h, w)
   ref = image_processor(Image.fromarray(image), max_patches=max_patches, return_tensors="np")
   ours = vision.preprocess_image(image, max_patches=max_patches)
   assert ours.grid_thw == tuple(ref["image_grid_thw"][0])
@@ -109,7 +102,7 @@ def test_image_matches_transformers_processor(case):
 def test_video_matches_transformers_processor(case):
   _, video_processor = transformers_processors()
   t, fps, h, w = case
-  frames = test_video(t, h, w)
+  frames = gradient_video(t, h, w)
   ref = video_processor(videos=[frames], video_metadata=[{"fps": fps, "total_num_frames": t}],
                         return_metadata=True, return_tensors="np")
   ours = vision.preprocess_video(frames, fps)
@@ -125,10 +118,10 @@ def recorded_outputs():
   """Our digests for IMAGE_CASES and VIDEO_CASES, keyed like RECORDED."""
   out = {}
   for h, w, max_patches in IMAGE_CASES:
-    media = vision.preprocess_image(test_image(h, w), max_patches=max_patches)
+    media = vision.preprocess_image(gradient_image(h, w), max_patches=max_patches)
     out[(h, w, max_patches)] = digest(media.pixel_values, [media.grid_thw])
   for t, fps, h, w in VIDEO_CASES:
-    chunks = vision.preprocess_video(test_video(t, h, w), fps)
+    chunks = vision.preprocess_video(gradient_video(t, h, w), fps)
     out[(t, fps, h, w)] = digest(np.concatenate([m.pixel_values for m in chunks]), [m.grid_thw for m in chunks])
   return out
 
@@ -140,7 +133,7 @@ def test_outputs_match_recorded_transformers_outputs():
 # ------------------------------------------------------------------------------ bad input
 def test_corrupt_and_empty_images_are_clear_errors(tmp_path):
   png = io.BytesIO()
-  Image.fromarray(test_image(20, 20)).save(png, format="PNG")
+  Image.fromarray(gradient_image(20, 20)).save(png, format="PNG")
   with pytest.raises(ValueError, match="image bytes: cannot decode"):
     vision.preprocess_image(png.getvalue()[:40])                  # truncated file
   (tmp_path / "x.jpg").write_bytes(b"not an image at all")
@@ -157,7 +150,7 @@ def test_corrupt_and_empty_images_are_clear_errors(tmp_path):
 
 
 def test_decoded_png_equals_the_array_and_gray_becomes_rgb():
-  image = test_image(30, 50)
+  image = gradient_image(30, 50)
   png = io.BytesIO()
   Image.fromarray(image).save(png, format="PNG")
   np.testing.assert_array_equal(vision.preprocess_image(png.getvalue()).pixel_values,
@@ -168,14 +161,14 @@ def test_decoded_png_equals_the_array_and_gray_becomes_rgb():
 
 def test_video_shorter_than_a_chunk_keeps_its_frames():
   """Three frames at 2 fps: one chunk of t = 3 (no padding, no error), as transformers does."""
-  chunks = vision.preprocess_video(test_video(3, 56, 84), 2.0)
+  chunks = vision.preprocess_video(gradient_video(3, 56, 84), 2.0)
   assert [m.grid_thw for m in chunks] == [(3, 4, 6)]
   assert chunks[0].num_tokens == 6                      # (4/2)·(6/2): frames are averaged by the merger
 
 
 # ------------------------------------------------------------------------------ media tokens
 def test_image_block_text_and_ids():
-  media = vision.preprocess_image(test_image(56, 84))
+  media = vision.preprocess_image(gradient_image(56, 84))
   assert media.grid_thw == (1, 4, 6) and media.num_tokens == 6
   assert vision.media_text(media) == ("<|media_begin|>image<|media_content|>" + "<|media_pad|>" * 6
                                       + "<|media_end|>")
@@ -188,7 +181,7 @@ def test_image_block_text_and_ids():
 
 
 def test_video_chunks_are_stamped_blocks():
-  chunks = vision.preprocess_video(test_video(12, 28, 28), 4.0)    # 6 frames sampled: chunks of 4 and 2
+  chunks = vision.preprocess_video(gradient_video(12, 28, 28), 4.0)    # 6 frames sampled: chunks of 4 and 2
   assert [(m.grid_thw, m.timestamp) for m in chunks] == [((4, 2, 2), 0.0), ((2, 2, 2), 2.0)]
   assert vision.media_text(chunks[1]) == ("00:00:02.000<|media_begin|>video<|media_content|><|media_pad|>"
                                           "<|media_end|>")
@@ -201,10 +194,10 @@ def transformers_outputs():
   image_processor, video_processor = transformers_processors()
   out = {}
   for h, w, max_patches in IMAGE_CASES:
-    ref = image_processor(Image.fromarray(test_image(h, w)), max_patches=max_patches, return_tensors="np")
+    ref = image_processor(Image.fromarray(gradient_image(h, w)), max_patches=max_patches, return_tensors="np")
     out[(h, w, max_patches)] = digest(ref["pixel_values"], ref["image_grid_thw"])
   for t, fps, h, w in VIDEO_CASES:
-    ref = video_processor(videos=[test_video(t, h, w)], video_metadata=[{"fps": fps, "total_num_frames": t}],
+    ref = video_processor(videos=[gradient_video(t, h, w)], video_metadata=[{"fps": fps, "total_num_frames": t}],
                           return_tensors="np")
     out[(t, fps, h, w)] = digest(ref["pixel_values_videos"], ref["video_grid_thw"])
   return out
