@@ -4,13 +4,20 @@
 `get_config("tiny")` (default): the 2-digit addition task at ~100k params on CPU — a
 built-in SFT warm start (~1 min), then RL in a few minutes. Switches after the preset,
 comma-separated: `toggle` turns Toggle on (`configs/rl.py:tiny,toggle`, or configs/toggle.py).
+
+`get_config("vision")` (`configs/rl.py:vision`): vision RL of the K2.5 model of
+configs/sft.py on image tasks (counting, locating, comparing, reading), the image in the
+prompt and the sandboxed Python tool available, from `warm_start.checkpoint` (default
+runs/sft, the zero-vision SFT). Switch `no_tool` (`configs/rl.py:vision,no_tool`): the
+model must answer from the image alone.
 """
 import ml_collections
 
-from k25jax.train.config_utils import adamw_section, model_section
+from k25jax.stages.sft import TINY_TEXT
+from k25jax.train.config_utils import adamw_section, k25_model_section, model_section
 
-PRESETS = ("tiny",)
-SWITCHES = ("toggle",)
+PRESETS = ("tiny", "vision")
+SWITCHES = ("toggle", "no_tool")
 
 TINY_MODEL = dict(vocab_size=17, hidden_size=64, intermediate_size=192, moe_intermediate_size=64,
                   num_hidden_layers=2, num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2,
@@ -25,6 +32,8 @@ def get_config(arg=None):
     raise ValueError(f"configs/rl.py: unknown preset {preset!r}; choose from {PRESETS}")
   if switches - set(SWITCHES):
     raise ValueError(f"configs/rl.py: unknown switches {sorted(switches - set(SWITCHES))}; known: {SWITCHES}")
+  if preset == "vision":
+    return vision_config(switches)
   c = ml_collections.ConfigDict()
   c.stage = "rl"
   c.model = model_section("tiny", **TINY_MODEL)
@@ -55,4 +64,30 @@ def get_config(arg=None):
   c.optimizer = adamw_section(2e-4, 5, 0)
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, sequence=1, tensor=1))
   c.train = ml_collections.ConfigDict(dict(router_bias_rate=1e-3))
+  return c
+
+
+def vision_config(switches: set) -> ml_collections.ConfigDict:
+  if "toggle" in switches:
+    raise ValueError("configs/rl.py:vision: the toggle switch is for the text task (Toggle is not wired for images)")
+  c = ml_collections.ConfigDict()
+  c.stage = "rl"
+  c.model = k25_model_section("tiny", **TINY_TEXT)
+  c.task = ml_collections.ConfigDict(dict(
+      name="image", train_prompts=512, eval_prompts=64, seed=0, image_size=56,
+      kinds="count,locate,compare,read"))   # comma-separated subset of k25jax.data.image_tasks.KINDS
+  c.warm_start = ml_collections.ConfigDict(dict(checkpoint="runs/sft"))   # a K2.5 workdir of the same model
+  c.rl = ml_collections.ConfigDict(dict(
+      iterations=30, prompts_per_iteration=8, num_generations=8, minibatches=2,
+      temperature=1.0, top_k=0, top_p=1.0,
+      tool="no_tool" not in switches,      # the sandboxed Python tool (a call without it: an error observation)
+      max_turns=4, max_context=496, turn_tokens=160,
+      eval_every=10, eval_samples=2, log_every=5, checkpoint_every=10, seed=0))
+  c.loss = ml_collections.ConfigDict(dict(name="k25", alpha=-0.5, beta=0.5, tau=0.01, normalize="batch",
+                                          eps=0.2, eps_high=0.28))
+  c.toggle = ml_collections.ConfigDict(dict(enabled=False, m=5, rho=50.0, accuracy_threshold=0.6, budget_samples=8))
+  c.sandbox = ml_collections.ConfigDict(dict(sessions=32, cpu_s=2.0, wall_s=10.0, memory_mb=512, output_chars=120))
+  c.optimizer = adamw_section(2e-4, 5, 0)
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, sequence=1, tensor=1))
+  c.train = ml_collections.ConfigDict(dict(router_bias_rate=1e-3, seed=0))
   return c

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 from typing import Callable, Sequence
 
 import jax
@@ -239,14 +240,18 @@ def media_batch(items: Sequence[vision_data.Media], cfg: K25Config, rows: int
   return padded, vision.patch_layout(grids, cfg.vision, num_patches=budget, num_merged=budget // (kh * kw))
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def encode_media(params, pixel_values, layout: vision.PatchLayout, *, cfg: K25Config) -> jax.Array:
+  """The projector outputs of a padded media batch [num_merged, text hidden] (`K25.encode_media`)."""
+  return k25.K25(cfg).apply({"params": params}, pixel_values, layout, method=k25.K25.encode_media)
+
+
 def vision_decoder(cfg: K25Config, params, sampling: sampler.SamplingConfig,
                    media_of: Callable[[int], vision_data.Media], seed: int = 0, min_rows: int = 1) -> Decoder:
   """A Decoder over the K2.5 model: each context holds its episode's image block
   (`media_of(episode)`); per round the vision tower encodes the images of the rows, and
   the sampler splices the features into the placeholders at prefill."""
   rng = [jax.random.PRNGKey(seed)]
-  model = k25.K25(cfg)
-  encode = jax.jit(lambda p, pixels, layout: model.apply({"params": p}, pixels, layout, method=k25.K25.encode_media))
 
   def decode(contexts, episodes):
     prompts, lengths = pad_contexts(contexts, cfg.text, sampling, min_rows)
@@ -254,7 +259,7 @@ def vision_decoder(cfg: K25Config, params, sampling: sampler.SamplingConfig,
     pixels, layout = media_batch(items, cfg, len(prompts))
     mask = media_lib.placeholder_mask(prompts, cfg.media_token_ids)
     media_lib.check_placeholders(mask, [m.num_tokens for m in items])
-    features = encode(params, pixels, layout)
+    features = encode_media(params, pixels, layout, cfg=cfg)
     rng[0], key = jax.random.split(rng[0])
     out = sampler.generate(cfg.text, params["language_model"], prompts, lengths, key, sampling,
                            media=(features, jnp.asarray(mask)))

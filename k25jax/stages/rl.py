@@ -1,4 +1,5 @@
-"""Joint RL with the K2.5 policy loss, Toggle inside (text tasks; vision tasks come with the vision stages).
+"""Joint RL with the K2.5 policy loss, Toggle inside: text tasks here, image tasks (`task.name="image"`,
+the K2.5 model, the image in the prompt, the Python tool) in `k25jax.stages.rl_vision`.
 
 Per iteration i, for P prompts x drawn from the training pool:
 
@@ -219,6 +220,9 @@ def check(config) -> None:
 def run(config: ml_collections.ConfigDict, workdir: str):
   """Warm start, then `rl.iterations` iterations; resumes from workdir/checkpoints. Returns history."""
   check(config)
+  if config.task.name == IMAGE_TASK:
+    from k25jax.stages import rl_vision  # pylint: disable=import-outside-toplevel  (it imports this module)
+    return rl_vision.run(config, workdir)
   model_cfg = config_utils.model_config_from(config.model)
   model = transformer.Transformer(model_cfg)
   task = TASKS[config.task.name](config.task)
