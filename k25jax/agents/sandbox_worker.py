@@ -252,8 +252,19 @@ def run_code(code: str, namespace: dict, sandbox_builtins: dict, limits: dict, p
       "ok": not errors, "stdout": out.getvalue(), "value": value,
       "error": "; ".join(errors) or None, "blocked": policy.blocked(),
       "cpu_s": _cpu_time() - cpu_start,
-      "peak_memory_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+      "peak_memory_mb": _peak_memory_mb(),
   }
+
+
+_STATUS_FD = None   # /proc/self/status, opened before Landlock closes /proc to the worker
+
+
+def _peak_memory_mb() -> float:
+  """The worker's peak resident memory (VmHWM). Not ru_maxrss: Linux carries that across
+  execve, so it would report the host process the worker was forked from."""
+  status = os.pread(_STATUS_FD, 1 << 16, 0).decode()
+  kilobytes = next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))
+  return int(kilobytes) / 1024
 
 
 def _load_module(name: str, path: str):
@@ -325,6 +336,8 @@ def main() -> None:
   policy = AuditPolicy(os.getcwd(), config["read_roots"])
   namespace = build_namespace(config, policy)
   sandbox_builtins = namespace["__builtins__"]
+  global _STATUS_FD
+  _STATUS_FD = os.open("/proc/self/status", os.O_RDONLY)
   if config["uid"] is not None:
     drop_privileges(config["uid"], config["gid"])
   set_limits(config["limits"])
