@@ -111,7 +111,8 @@ def test_sampled_logprobs_match_the_k25_training_path_over_several_turns(pool):
   tasks = image_tasks.make_tasks(8, seed=8, image_size=56)
   items = [vision_data.preprocess_image(t.image) for t in tasks]
   blocks = [vision_data.media_token_ids(m, TOK) for m in items]
-  sampling = sampler.SamplingConfig(max_new_tokens=8, temperature=0.8, stop_tokens=(TOK.end_id,))
+  banned = tool_rollout.banned_tokens(TOK)
+  sampling = sampler.SamplingConfig(max_new_tokens=8, temperature=0.8, stop_tokens=(TOK.end_id,), banned_tokens=banned)
   decode = tool_rollout.vision_decoder(cfg, params, sampling, lambda e: items[e], seed=3, min_rows=8)
   transcripts = tool_rollout.play(decode, TOK, tasks, pool, tool_rollout.RolloutConfig(
       max_turns=2, max_context=128, turn_tokens=8), media=blocks)
@@ -120,8 +121,8 @@ def test_sampled_logprobs_match_the_k25_training_path_over_several_turns(pool):
   rows = tool_rollout.loss_rows(transcripts, seq_len=128, pad_id=TOK.pad_id)
   pixels, layout = tool_rollout.media_batch(items, cfg, len(items))
   logits, _ = k25.K25(cfg).apply({"params": params}, jnp.asarray(rows["inputs"]), jnp.asarray(pixels), layout)
-  logp = rollout.token_logprobs(logits, jnp.asarray(rows["targets"]), 0.8)
-  np.testing.assert_allclose(np.asarray(logp) * rows["mask"], rows["old_logp"], atol=2e-5)
+  logp = rollout.token_logprobs(tool_rollout.mask_banned(logits, banned), jnp.asarray(rows["targets"]), 0.8)
+  np.testing.assert_allclose(np.where(rows["mask"] > 0, logp, 0.0), rows["old_logp"], atol=2e-5)
   assert rows["mask"].sum() == sum(sum(t.loss_mask) for t in transcripts)
   blind, _ = transformer.Transformer(text).apply({"params": params["language_model"]}, jnp.asarray(rows["inputs"]))
   assert float(jnp.abs(logits - blind).max()) > 1e-2           # the image features did reach the logits

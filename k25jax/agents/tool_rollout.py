@@ -75,6 +75,17 @@ class Transcript:
 Decoder = Callable[[Sequence[Sequence[int]], Sequence[int]], list[tuple[list[int], list[float]]]]
 
 
+def banned_tokens(tok: chat.ChatTokenizer) -> tuple[int, ...]:
+  """Tokens the model may never write: the media tokens (a placeholder it wrote would take an
+  image's features). Sampling drops them, and so must the loss's log π (`mask_banned`)."""
+  return tuple(tok.media or ())
+
+
+def mask_banned(logits: jax.Array, banned: Sequence[int]) -> jax.Array:
+  """logits with the `banned` ids at −inf: the distribution the sampler draws from."""
+  return logits.at[..., jnp.asarray(banned, jnp.int32)].set(-jnp.inf) if banned else logits
+
+
 def prompt(tok: chat.ChatTokenizer, question: str, media: Sequence[int] = ()) -> list[int]:
   """`BOS <|user|> [media] question <|end|> <|assistant|>`: an episode's first context."""
   tokens, _ = chat.render(tok, [chat.Message("user", question, prefix=tuple(media))])

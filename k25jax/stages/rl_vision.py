@@ -47,14 +47,15 @@ ROW_FEATURES = ("inputs", "targets", "positions", "segment_ids", "mask", "old_lo
 # ------------------------------------------------------------------------------- the loss
 def make_loss(config, model: k25.K25):
   """loss_fn(params, batch, rng): the policy loss (`loss.name`) on log π_θ of the generated tokens,
-  computed by the K2.5 model with each row's image."""
+  computed by the K2.5 model with each row's image, over the tokens the sampler may draw."""
   score = rl_stage.policy_loss(config.loss, config.rl.num_generations)
+  banned = tool_rollout.banned_tokens(chat.ChatTokenizer())
 
   def loss_fn(params, batch, rng):
     del rng
     logits, aux = model.apply({"params": params}, batch["inputs"], batch["pixel_values"], batch["layout"],
                               batch["positions"], batch["segment_ids"])
-    logp = rollout.token_logprobs(logits, batch["targets"], config.rl.temperature)
+    logp = rollout.token_logprobs(tool_rollout.mask_banned(logits, banned), batch["targets"], config.rl.temperature)
     loss, metrics = score(logp, batch)
     return loss, (metrics, aux)
   return loss_fn
@@ -96,7 +97,8 @@ def play(config, model_cfg: K25Config, params, tok, pool, split: TaskSplit, *, t
   """One episode per task of `split` (with the tool if `rl.tool`)."""
   r = config.rl
   sampling = sampler.SamplingConfig(max_new_tokens=r.turn_tokens, temperature=temperature, top_k=r.top_k,
-                                    top_p=r.top_p, stop_tokens=(tok.end_id,), pad_id=tok.pad_id)
+                                    top_p=r.top_p, stop_tokens=(tok.end_id,), pad_id=tok.pad_id,
+                                    banned_tokens=tool_rollout.banned_tokens(tok))
   decode = tool_rollout.vision_decoder(model_cfg, params, sampling, lambda e: split.items[e], seed,
                                        min_rows=pool.max_sessions)
   rollout_config = tool_rollout.RolloutConfig(max_turns=r.max_turns, max_context=r.max_context,

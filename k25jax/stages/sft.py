@@ -190,7 +190,8 @@ def play(config, model_cfg: K25Config, params, tok, pool, tasks, *, image: bool,
          seed: int) -> list[tool_rollout.Transcript]:
   """One episode per task: the question alone (text) or after its image block, tool on or off."""
   sampling = sampler.SamplingConfig(max_new_tokens=config.eval.turn_tokens, temperature=temperature,
-                                    stop_tokens=(tok.end_id,), pad_id=tok.pad_id)
+                                    stop_tokens=(tok.end_id,), pad_id=tok.pad_id,
+                                    banned_tokens=tool_rollout.banned_tokens(tok))
   if not image:
     decode = tool_rollout.text_decoder(model_cfg.text, params[LM], sampling, seed, min_rows=pool.max_sessions)
     return tool_rollout.play(decode, tok, tasks, pool, rollout_config(config, tool))
