@@ -122,6 +122,16 @@ def loss_batch(transcripts, advantages: np.ndarray, rewards: np.ndarray, seq: in
   return rows
 
 
+def device_minibatch(rows: dict, items, model_cfg: K25Config, mesh) -> dict:
+  """Rows over the batch axes; their images (one per row, in row order) padded to one item per
+  row and replicated."""
+  pixels, layout = tool_rollout.media_batch(items, model_cfg, len(items))
+  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+  specs = batch_specs()
+  out = {name: put(v, specs[name]) for name, v in rows.items()}
+  return {**out, "pixel_values": put(pixels, P()), "layout": jax.tree.map(lambda x: put(x, P()), layout)}
+
+
 def evaluate(config, model_cfg, params, tok, pool, split: TaskSplit) -> dict[str, float]:
   """Sampled (rl.eval_samples per task, training temperature) and greedy held-out metrics."""
   k = config.rl.eval_samples
@@ -191,14 +201,9 @@ def run(config: ml_collections.ConfigDict, workdir: str):
       size = len(transcripts) // r.minibatches
       t1 = time.perf_counter()
       for m in range(r.minibatches):
-        part = {name: v[m * size:(m + 1) * size] for name, v in batch.items()}
-        pixels, layout = tool_rollout.media_batch(episodes.items[m * size:(m + 1) * size], model_cfg, size)
-        part = {name: jax.device_put(v, NamedSharding(mesh, P(sharding.BATCH_AXES, "sequence")))
-                for name, v in part.items()}
-        replicated = NamedSharding(mesh, P())
-        part.update(pixel_values=jax.device_put(pixels, replicated),
-                    layout=jax.tree.map(lambda x: jax.device_put(x, replicated), layout))
-        state, metrics = train_step(state, part)
+        part = slice(m * size, (m + 1) * size)
+        state, metrics = train_step(state, device_minibatch({name: v[part] for name, v in batch.items()},
+                                                            episodes.items[part], model_cfg, mesh))
       metrics = {name: float(v) for name, v in jax.device_get(metrics).items()}
       summary = tool_rollout.summarize(transcripts, episodes.tasks)
       row = {"iteration": it + 1, "split": "train", **metrics, "reward": float(graded["reward"].mean()),
