@@ -17,7 +17,7 @@ def _small(config):
   config.train.update(steps=12, batch=8, visual_batch=8, log_every=4, checkpoint_every=6)
   config.optimizer.update(lr=3e-3, warmup_steps=2, decay_steps=4)
   config.sandbox.sessions = 4
-  config.eval.update(tasks=4, max_turns=2, max_context=320, turn_tokens=16, settings="text_tool,image_no_tool")
+  config.eval.update(tasks=4, max_turns=2, max_context=320, turn_tokens=16, settings="text_tool")
   return config
 
 
@@ -46,12 +46,11 @@ def test_visual_rows_carry_their_images_in_placeholder_order():
 def test_short_run_trains_evaluates_and_resumes(tmp_path):
   config = _small(load_config("configs/sft.py"))
   state, results = sft.run(config, str(tmp_path))
-  assert set(results) == {"text_tool", "image_no_tool"}
+  assert set(results) == {"text_tool"}
   assert all(0.0 <= r["accuracy"] <= 1.0 and r["turns_per_episode"] >= 1 for r in results.values())
   data_files = [f for f in os.listdir(tmp_path) if f.startswith("sft_data_")]
   assert len(data_files) == 1 and os.path.exists(tmp_path / "sft_eval.json")
   stamp = os.path.getmtime(tmp_path / data_files[0])
   config.train.steps = 14
-  config.eval.settings = "text_tool"
   resumed, _ = sft.run(config, str(tmp_path))
   assert int(resumed.step) == 14 and os.path.getmtime(tmp_path / data_files[0]) == stamp
