@@ -3,9 +3,11 @@
 of the K2.5 model.
 
 Presets: `tiny` (default; CPU, a few minutes, byte tokenizer on the Python standard
-library), `small` (~0.9B total params, one GPU or a TPU slice, FSDP) and `joint` (the
+library), `small` (~0.9B total params, one GPU or a TPU slice, FSDP), `joint` (the
 tiny K2.5 on text mixed with synthetic images and videos, 10% of the tokens vision from
-step 0: `configs/pretrain.py:joint`).
+step 0: `configs/pretrain.py:joint`) and `k25` (the released 1T text backbone on a TPU
+pod: scanned MoE layers, expert parallelism, MuonClip, 1024 × 4096 tokens a step;
+`experiments/aot_compile.py` compiles its step for a pod from a CPU).
 """
 import ml_collections
 
@@ -15,14 +17,17 @@ from k25jax.train.config_utils import k25_model_section, model_section
 
 def get_config(arg=None):
   preset = arg or "tiny"
-  if preset not in ("tiny", "small", "joint"):
-    raise ValueError(f"configs/pretrain.py: unknown preset {preset!r}; choose 'tiny', 'small' or 'joint'")
-  tiny = preset != "small"
+  if preset not in ("tiny", "small", "joint", "k25"):
+    raise ValueError(f"configs/pretrain.py: unknown preset {preset!r}; choose 'tiny', 'small', 'joint' or 'k25'")
+  tiny = preset in ("tiny", "joint")
   joint = preset == "joint"
+  k25 = preset == "k25"
   c = ml_collections.ConfigDict()
   c.stage = "pretrain"
 
-  c.model = k25_model_section("tiny") if joint else model_section(preset)
+  # k25 on a pod: one compiled MoE layer body, layers recomputed in the backward, grouped matmuls.
+  pod = dict(scan_layers=True, remat_policy="full", moe_impl="ragged_dot") if k25 else {}
+  c.model = k25_model_section("tiny") if joint else model_section(preset, **pod)
 
   c.data = ml_collections.ConfigDict(dict(
       source="python_stdlib",      # offline text, see k25jax/data/sources.py
@@ -78,6 +83,10 @@ def get_config(arg=None):
       balance_loss_alpha=1e-4,             # α of the sequence-wise balance loss
       z_loss=1e-4,
   ))
+  if k25:   # a pod: 64-way expert parallel (6 experts a chip), FSDP over the rest; 4.2M tokens a step
+    c.optimizer.update(name="muonclip", lr=2e-4)
+    c.mesh.update(fsdp=-1, expert=64)
+    c.train.update(batch=1024, seq_len=4096)
   if joint:
     c.train.update(dict(
         init_from="",                        # a K2.5 stage's workdir (e.g. runs/vit): start from its params

@@ -74,6 +74,6 @@ def test_eight_devices_match_one():
   assert experts.sharding.spec == P("expert", "fsdp", "tensor")
   assert experts.addressable_shards[0].data.shape == (2, 32, 16)
   q_b = got_params["layers_1"]["self_attn"]["q_b_proj"]["kernel"]           # [q_lora, H, nope + rope]
-  assert q_b.addressable_shards[0].data.shape == (32, 2, 24)
+  assert q_b.addressable_shards[0].data.shape == (16, 2, 24)
   moments = [x for x in jax.tree.leaves(got_state) if x.shape == experts.shape]
   assert len(moments) == 2 and all(m.sharding.is_equivalent_to(experts.sharding, 3) for m in moments)

@@ -144,7 +144,9 @@ def routed_experts(x, experts, weights, gate, up, down, *, token_spec: P, in_spe
   token_axes = _axes(token_spec[0]) + _axes(token_spec[1])
   if EXPERT_AXIS not in _axes(token_spec[0]) or _axes(token_spec[2]):
     raise ValueError(f"expert parallelism: the tokens must be split over '{EXPERT_AXIS}' along the batch "
-                     f"and not along the hidden dimension, got {token_spec}")
+                     f"and not along the hidden dimension, got {token_spec} (apply the model under "
+                     "nn.logical_axis_rules(k25jax.train.sharding.RULES) as the train step does, or set "
+                     "ModelConfig.expert_parallel=False)")
   embed_axes, mlp_axes = _axes(in_spec[1]), _axes(in_spec[2])
   if (embed_axes, mlp_axes) != (_axes(out_spec[2]), _axes(out_spec[1])):
     raise ValueError(f"expert parallelism: gate/up {in_spec} and down {out_spec} must split embed and "

@@ -14,7 +14,8 @@ NS is 5 steps of the quintic Newton–Schulz iteration towards U Vᵀ (G = U S V
 
 run on the transpose when n > m so that A is the smaller Gram matrix. A tensor that
 is a batch of matrices (stacked experts) is orthogonalised matrix by matrix; which
-axes are rows and columns comes from `k25jax.optim.routing.matrix_axes`.
+axes are rows and columns comes from `k25jax.optim.routing.matrix_axes`. The layers of a
+scanned stack (`moe_layers`) are orthogonalised one after the other (`lax.map`).
 
 `optax.contrib.muon` is not used as a whole: its Nesterov momentum is a bias-corrected
 moving average (a different direction during the first ~100 steps) and its default
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from k25jax.optim.routing import MatrixAxes, matrix_axes
+from k25jax.optim.routing import MatrixAxes, matrix_axes, stacked_axes
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
@@ -62,10 +63,18 @@ def scale_by_orthogonalization(*, steps: int = 5, coeffs=NS_COEFFS, eps: float =
                                rms_scale: float = 0.2) -> optax.GradientTransformation:
   """Stateless: replaces each update N by `orthogonalize(N)` (O_t of the module docstring)."""
 
+  def ortho(path, u):
+    axes = matrix_axes(path, u.shape)
+    run = lambda x, axes: orthogonalize(x, axes, steps=steps, coeffs=coeffs, eps=eps, rms_scale=rms_scale)
+    if not stacked_axes(path):
+      return run(u, axes)
+    # A scanned layer stack, one layer at a time: the temporaries stay one layer's size.
+    down = lambda group: tuple(a - 1 for a in group)
+    layer = MatrixAxes(down(axes.batch[1:]), down(axes.rows), down(axes.cols))
+    return jax.lax.map(lambda x: run(x, layer), u)
+
   def update_fn(updates, state, params=None):
     del params
-    ortho = lambda path, u: orthogonalize(u, matrix_axes(path, u.shape), steps=steps, coeffs=coeffs,
-                                          eps=eps, rms_scale=rms_scale)
     return jax.tree_util.tree_map_with_path(ortho, updates), state
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)

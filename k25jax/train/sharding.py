@@ -29,8 +29,8 @@ RULES = (
     ("heads", "tensor"),
     ("qk_head_dim", None),
     ("kv_head_dim", None),
-    ("q_lora", None),
-    ("kv_lora", None),
+    ("q_lora", "fsdp"),          # q_b / kv_b split on their input (embed is not one of their axes)
+    ("kv_lora", "fsdp"),
     ("exp", "expert"),
     ("moe_mlp", "tensor"),
     ("norm", None),

@@ -1,0 +1,44 @@
+"""The pretrain step compiles for a TPU slice on this CPU (experiments/aot_compile.py); needs libtpu."""
+import importlib.util
+import math
+import os
+
+import jax
+import pytest
+
+from k25jax.model import transformer
+from k25jax.train import config_utils, optimizer, sharding
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu is not installed (pip install -e '.[tpu]'): it is the TPU compiler, no TPU needed")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Quicker compiles: the test checks what is compiled, not how well it is scheduled.
+LOW_EFFORT = {"exec_time_optimization_effort": -1.0, "memory_fitting_effort": -1.0}
+
+
+def test_small_preset_train_step_compiles_for_v5p_2x2x1(monkeypatch):
+  monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")      # other test processes may hold libtpu's lock
+  monkeypatch.syspath_prepend(os.path.join(ROOT, "experiments"))
+  import aot_compile
+  from jax.experimental import topologies
+
+  config = config_utils.load_config_file(os.path.join(ROOT, "configs", "pretrain.py"), "small")
+  config_utils.apply_overrides(config, [
+      "model.num_hidden_layers=2", "model.scan_layers=True", "model.moe_impl=ragged_dot",
+      "optimizer.name=muonclip", "train.batch=8", "train.seq_len=256"])
+  devices = topologies.get_topology_desc("v5p:2x2x1", "tpu").devices
+  assert len(devices) == 4 and devices[0].platform == "tpu"
+  row = aot_compile.compile_step(config, devices, {"fsdp": 2, "expert": 2}, "full", LOW_EFFORT)
+
+  assert row["model"]["ep_dispatch"] == "ragged_all_to_all"
+  assert row["collectives"]["ragged-all-to-all"] >= 4         # dispatch + return, forward + backward
+  assert row["fits"] and row["temp_bytes"] > 0 and row["flops_per_chip"] > 0
+  # The arguments are one chip's shards of the state and the batch (TPU tiling pads a little).
+  mesh = sharding.make_mesh({"fsdp": 2, "expert": 2}, devices)
+  model = transformer.Transformer(aot_compile.target_model_config(config.model, "tpu"))
+  tx = optimizer.make_optimizer(config.optimizer, config.train.steps)
+  inputs = (aot_compile.abstract_state(model, tx, mesh), aot_compile.abstract_batch(8, 256, mesh))
+  shard_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(inputs))
+  assert shard_bytes <= row["argument_bytes"] < 1.1 * shard_bytes, (row["argument_bytes"], shard_bytes)
