@@ -1,7 +1,8 @@
 """Experiment: zero-vision SFT as the start of vision RL (Kimi K2.5, Fig. 2's claim), tiny, on CPU.
 
     python experiments/zero_vision.py [--root /tmp/zero_vision] [--out experiments/results/zero_vision]
-                                      [--tools tool,no_tool] [--set stage.section.field=value ...]
+                                      [--tools tool,no_tool] [--starts zero_vision,...]
+                                      [--set stage.section.field=value ...]
 
 One chain of stages, each in its own workdir under --root (a finished one is reused):
 
@@ -10,6 +11,8 @@ One chain of stages, each in its own workdir under --root (a finished one is reu
     zero_vision  configs/sft.py from base: text-only tool trajectories, no image ever seen
     text_vision  configs/sft.py:tiny,visual from base: the same + image → direct-answer examples
     no_sft       base itself
+    zero_vision_no_base  configs/sft.py from a fresh init: zero-vision SFT without the vision
+                 stages (a random tower: does the transfer need joint pre-training?)
     rl/<start>/<tool>   configs/rl.py:vision[,no_tool] from each start: the image in the prompt,
                  with the sandboxed Python tool (tool) or without it (no_tool)
 
@@ -35,7 +38,8 @@ from k25jax.stages import pretrain, rl, sft  # noqa: E402
 from k25jax.train import config_utils  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-STARTS = ("zero_vision", "text_vision", "no_sft")
+STARTS = ("zero_vision", "text_vision", "no_sft", "zero_vision_no_base")
+SFT_STARTS = ("zero_vision", "text_vision", "zero_vision_no_base")
 STAGES = ("base", "sft", "rl")
 
 
@@ -53,7 +57,7 @@ def base_config(args):
 
 def sft_config(start: str, base_dir: str, args):
   config = load("sft.py", "tiny,visual" if start == "text_vision" else "tiny", "sft", args)
-  config.warm_start.checkpoint = base_dir
+  config.warm_start.checkpoint = "" if start == "zero_vision_no_base" else base_dir
   return config
 
 
@@ -111,8 +115,8 @@ def summarize(curves: dict) -> dict:
                      "final_tool_call_success": evals[-1]["tool_call_success"],
                      "final_calls_per_episode": evals[-1]["calls_per_episode"]}
     ranked = sorted(rows, key=lambda s: rows[s]["final_accuracy"], reverse=True)
-    table[tool] = {"rows": rows, "winner": ranked[0],
-                   "margin": rows[ranked[0]]["final_accuracy"] - rows[ranked[1]]["final_accuracy"]}
+    margin = rows[ranked[0]]["final_accuracy"] - rows[ranked[1]]["final_accuracy"] if len(ranked) > 1 else None
+    table[tool] = {"rows": rows, "winner": ranked[0], "margin": margin}
   return table
 
 
@@ -141,7 +145,8 @@ def print_table(table: dict, sft_evals: dict) -> None:
     for start, r in t["rows"].items():
       print(f"  {start:12s} {r['start_accuracy']:.3f} → {r['final_accuracy']:.3f}   "
             f"({r['start_greedy']:.3f} → {r['final_greedy']:.3f})   calls/episode {r['final_calls_per_episode']:.2f}")
-    print(f"  winner: {t['winner']} by {t['margin']:+.3f} accuracy over the runner-up")
+    if t["margin"] is not None:
+      print(f"  winner: {t['winner']} by {t['margin']:+.3f} accuracy over the runner-up")
 
 
 def main():
@@ -149,24 +154,30 @@ def main():
   parser.add_argument("--root", default="/tmp/zero_vision", help="workdirs of the chain's stages")
   parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "zero_vision"))
   parser.add_argument("--tools", default="tool,no_tool", help="RL settings: tool, no_tool or both")
+  parser.add_argument("--starts", default=",".join(STARTS), help=f"RL starts, some of {STARTS}")
   parser.add_argument("--set", action="append", default=[], help="stage.section.field=value, stage in "
                       f"{STAGES}")
   args = parser.parse_args()
   for item in args.set:
     if item.split(".", 1)[0] not in STAGES:
       raise ValueError(f"--set {item!r}: start with one of {STAGES} (e.g. rl.rl.iterations=20)")
+  starts = [s for s in args.starts.split(",") if s]
+  unknown = set(starts) - set(STARTS)
+  if unknown or not starts:
+    raise ValueError(f"--starts {args.starts!r}: choose from {STARTS}")
   logging.set_verbosity(logging.INFO)
-  base_dir = run_base(args)
-  start_dirs = {"zero_vision": os.path.join(args.root, "zero_vision"),
-                "text_vision": os.path.join(args.root, "text_vision"), "no_sft": base_dir}
-  sft_evals = {start: run_sft(start, base_dir, args) for start in ("zero_vision", "text_vision")}
-  curves = {tool: {start: run_rl(start, start_dirs[start], tool, args) for start in STARTS}
+  base_dir = run_base(args) if set(starts) != {"zero_vision_no_base"} else None
+  start_dirs = {s: os.path.join(args.root, s) for s in SFT_STARTS}
+  start_dirs["no_sft"] = base_dir
+  sft_evals = {start: run_sft(start, base_dir, args) for start in starts if start in SFT_STARTS}
+  curves = {tool: {start: run_rl(start, start_dirs[start], tool, args) for start in starts}
             for tool in args.tools.split(",")}
   table = summarize(curves)
   print_table(table, sft_evals)
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out + ".json", "w") as f:
-    json.dump({"summary": table, "sft": sft_evals, "curves": curves, "set": args.set, "tools": args.tools}, f,
+    json.dump({"summary": table, "sft": sft_evals, "curves": curves, "set": args.set, "tools": args.tools,
+               "starts": starts}, f,
               indent=1)
   plot(curves, args.out + ".png")
   print(f"\nwrote {args.out}.json and {args.out}.png")

@@ -45,3 +45,15 @@ def test_small_preset_train_step_compiles_for_v5p_2x2x1(monkeypatch):
   inputs = (aot_compile.abstract_state(model, tx, mesh), aot_compile.abstract_batch(8, 256, mesh))
   shard_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(inputs))
   assert shard_bytes <= row["argument_bytes"] < 1.1 * shard_bytes, (row["argument_bytes"], shard_bytes)
+
+
+def test_mesh_axes_that_split_a_physical_axis_are_allowed(monkeypatch):
+  """On a 4x4x4 torus, 32 = 4·4·2 splits a physical axis: allowed, with a warning."""
+  monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jax.experimental import topologies
+  devices = topologies.get_topology_desc("v5p:4x4x4", "tpu").devices
+  whole = sharding.make_mesh({"fsdp": 4, "expert": 16}, devices)
+  split = sharding.make_mesh({"fsdp": 2, "expert": 32}, devices)
+  assert (whole.shape["fsdp"], whole.shape["expert"]) == (4, 16)
+  assert (split.shape["fsdp"], split.shape["expert"]) == (2, 32)
+  assert sorted(d.id for d in split.devices.flat) == sorted(d.id for d in devices)

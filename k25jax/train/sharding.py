@@ -16,6 +16,8 @@ import math
 import flax.linen as nn
 import jax
 import numpy as np
+from absl import logging
+from jax.experimental import mesh_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 AXES = ("data", "fsdp", "expert", "sequence", "tensor")
@@ -78,11 +80,21 @@ def mesh_shape(sizes: dict[str, int], n_devices: int) -> tuple[int, ...]:
 
 
 def make_mesh(sizes: dict[str, int], devices=None) -> jax.sharding.Mesh:
-  """A mesh with Auto axes `AXES` over `devices` (default: all devices, all processes)."""
+  """A mesh with Auto axes `AXES` over `devices` (default: all devices, all processes).
+
+  On a TPU torus each mesh axis should be a product of whole physical axes (a v5p 8x8x8:
+  8, 64, 512); a size that is not (16 or 32 there) splits a physical axis, with a warning,
+  since collectives along it then share links with another mesh axis.
+  """
   devices = jax.devices() if devices is None else list(devices)
   shape = mesh_shape(dict(sizes), len(devices))
-  return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(AXES),
-                       devices=devices)
+  axis_types = (jax.sharding.AxisType.Auto,) * len(AXES)
+  try:
+    return jax.make_mesh(shape, AXES, axis_types=axis_types, devices=devices)
+  except NotImplementedError as e:   # no assignment of whole physical axes
+    logging.warning("mesh %s: splitting physical axes (%s)", dict(zip(AXES, shape)), str(e).split(".")[0])
+    grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    return jax.sharding.Mesh(grid, AXES, axis_types=axis_types)
 
 
 def is_spec(x) -> bool:
