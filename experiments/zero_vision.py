@@ -136,14 +136,14 @@ def plot(curves: dict, path: str) -> None:
 
 
 def print_table(table: dict, sft_evals: dict) -> None:
-  print("\nSFT (greedy, held-out):   start        setting        accuracy  tool-call success")
+  print("\nSFT (greedy, held-out):   start                setting        accuracy  tool-call success")
   for start, results in sft_evals.items():
     for setting, r in results.items():
-      print(f"{'':26s} {start:12s} {setting:14s} {r['accuracy']:8.3f}  {r['tool_call_success']:8.3f}")
+      print(f"{'':26s} {start:20s} {setting:14s} {r['accuracy']:8.3f}  {r['tool_call_success']:8.3f}")
   for tool, t in table.items():
     print(f"\nvision RL ({tool}): held-out sampled accuracy, start → end of RL (greedy in brackets)")
     for start, r in t["rows"].items():
-      print(f"  {start:12s} {r['start_accuracy']:.3f} → {r['final_accuracy']:.3f}   "
+      print(f"  {start:20s} {r['start_accuracy']:.3f} → {r['final_accuracy']:.3f}   "
             f"({r['start_greedy']:.3f} → {r['final_greedy']:.3f})   calls/episode {r['final_calls_per_episode']:.2f}")
     if t["margin"] is not None:
       print(f"  winner: {t['winner']} by {t['margin']:+.3f} accuracy over the runner-up")
