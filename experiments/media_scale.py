@@ -1,0 +1,60 @@
+"""How loud the image block is: projector-output RMS against text-embedding RMS, per checkpoint.
+
+    python experiments/media_scale.py WORKDIR [WORKDIR ...]     # K2.5 workdirs of configs/sft.py's model
+
+For each workdir's latest params and 8 held-out image tasks (image_tasks, seed 0):
+
+    text  = mean over the byte tokens b of rms(E[b]),   E the token embedding
+    media = mean over the merged media tokens m of rms(K25.encode_media(images)[m])
+    rms(v) = sqrt(mean_i v_i²)
+
+and their ratio: the scale at which the media rows enter the residual stream, relative to
+the text they sit among (experiments/zero_vision.py: the zero-vision transfer fails where
+this ratio is large).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from k25jax.data import chat, image_tasks, vision as vision_data  # noqa: E402
+from k25jax.model import k25, vision  # noqa: E402
+from k25jax.stages import sft  # noqa: E402
+from k25jax.train import checkpoint, config_utils, multimodal, sharding  # noqa: E402
+
+
+def rms(x: np.ndarray) -> float:
+  return float(np.sqrt((np.asarray(x, np.float64) ** 2).mean(-1)).mean())
+
+
+def main():
+  workdirs = sys.argv[1:]
+  if not workdirs:
+    raise SystemExit(__doc__)
+  config = config_utils.load_config_file(os.path.join(ROOT, "configs", "sft.py"), "tiny")
+  tok = chat.ChatTokenizer()
+  cfg = sft.model_config(config, tok)
+  mesh = sharding.make_mesh(config.mesh.to_dict())
+  tasks = image_tasks.make_tasks(8, 0, config.data.image_size, sft.kinds(config.data.kinds))
+  pixels, grids = vision_data.pack_media([vision_data.preprocess_image(t.image) for t in tasks])
+  layout = vision.patch_layout(grids, cfg.vision)
+  encode = jax.jit(lambda p: k25.K25(cfg).apply({"params": p}, jnp.asarray(pixels), layout,
+                                                method=k25.K25.encode_media))
+  print(f"{'workdir':50s} {'text rms':>9s} {'media rms':>10s} {'ratio':>7s}")
+  with jax.set_mesh(mesh):
+    for workdir in workdirs:
+      params = checkpoint.Checkpoints(workdir, keep=1).restore_params(multimodal.params_target(cfg, mesh))
+      text = rms(params["language_model"]["embed_tokens"]["embedding"][:256])
+      media = rms(encode(params))
+      print(f"{workdir:50s} {text:9.3f} {media:10.3f} {media / text:7.1f}")
+
+
+if __name__ == "__main__":
+  main()
