@@ -227,7 +227,7 @@ def run(config: ml_collections.ConfigDict, workdir: str):
         logging.info("parl iteration %d/%d  reward %.3f  Item-F1 %.3f  sub-agents %.2f  critical steps %.2f  "
                      "λ1 %.3f  loss %.4f  %.1fs/iteration", it + 1, rl.iterations, row["reward"], row["item_f1"],
                      row["num_created"], row["critical_steps"], row["lambda1"], row["loss"], row["iteration_s"])
-      if (it + 1) % rl.checkpoint_every == 0 or it + 1 == rl.iterations:
+      if loop.due(it + 1, rl.checkpoint_every, rl.iterations):
         checkpoints.save(it + 1, state)
     final = evaluate_all(config, model_cfg, state.params, sub, warm, eval_tasks)
   checkpoints.close()

@@ -282,17 +282,17 @@ def run(config: ml_collections.ConfigDict, workdir: str):
              "train_tokens_per_s": float(batch["segment_ids"].sum() / t_train)}
       history.append(row)
       writer.write(it + 1, {n: v for n, v in row.items() if n not in ("iteration", "split")}, "train")
-      if (it + 1) % rl.log_every == 0 or it + 1 == rl.iterations:
+      if loop.due(it + 1, rl.log_every, rl.iterations):
         logging.info("rl iteration %d/%d  reward %.3f  accuracy %.3f  length %.2f  loss %.4f  masked %.4f  "
                      "sample tok/s %.0f  train tok/s %.0f", it + 1, rl.iterations, row["reward"], row["accuracy"],
                      row["mean_length"], row["loss"], row.get("masked_fraction", 0.0), row["sample_tokens_per_s"],
                      row["train_tokens_per_s"])
-      if (it + 1) % rl.eval_every == 0 or it + 1 == rl.iterations:
+      if loop.due(it + 1, rl.eval_every, rl.iterations):
         ev = evaluate(model_cfg, state.params, task, eval_rng, sampling, rl.eval_samples)
         logging.info("rl eval at iteration %d: %s", it + 1, _fmt(ev))
         writer.write(it + 1, ev, "eval")
         history.append({"iteration": it + 1, "split": "eval", **ev})
-      if (it + 1) % rl.checkpoint_every == 0 or it + 1 == rl.iterations:
+      if loop.due(it + 1, rl.checkpoint_every, rl.iterations):
         checkpoints.save(it + 1, state)
   checkpoints.close()
   writer.close()

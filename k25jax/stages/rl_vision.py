@@ -210,17 +210,17 @@ def run(config: ml_collections.ConfigDict, workdir: str):
              **summary, "sample_s": t_sample, "train_s": time.perf_counter() - t1}
       history.append(row)
       writer.write(it + 1, _finite({n: v for n, v in row.items() if n not in ("iteration", "split")}), "train")
-      if (it + 1) % r.log_every == 0 or it + 1 == r.iterations:
+      if loop.due(it + 1, r.log_every, r.iterations):
         logging.info("rl (image) iteration %d/%d  reward %.3f  tool-call success %.3f  calls/episode %.2f  "
                      "loss %.4f  sample %.1fs  train %.1fs", it + 1, r.iterations, row["reward"],
                      row["tool_call_success"], row["calls_per_episode"], row["loss"], row["sample_s"],
                      row["train_s"])
-      if (it + 1) % r.eval_every == 0 or it + 1 == r.iterations:
+      if loop.due(it + 1, r.eval_every, r.iterations):
         ev = evaluate(config, model_cfg, state.params, tok, pool, eval_split)
         logging.info("rl (image) eval at iteration %d: %s", it + 1, _fmt(ev))
         writer.write(it + 1, _finite(ev), "eval")
         history.append({"iteration": it + 1, "split": "eval", **ev})
-      if (it + 1) % r.checkpoint_every == 0 or it + 1 == r.iterations:
+      if loop.due(it + 1, r.checkpoint_every, r.iterations):
         checkpoints.save(it + 1, state)
   checkpoints.close()
   writer.close()

@@ -62,6 +62,11 @@ def evaluate(eval_step: Callable, state, batches: Iterable[dict]) -> dict:
   return {name: (tokens if name == "tokens" else value / max(tokens, 1.0)) for name, value in totals.items()}
 
 
+def due(step: int, every: int, last: int) -> bool:
+  """True at every `every`-th step (1-based) and at the `last` one: when to log, evaluate, save."""
+  return step % every == 0 or step == last
+
+
 def train(state, *, train_step: Callable, next_batch: Callable[[], dict], total_steps: int,
           tokens_per_step: int, log_every: int, eval_every: int, checkpoint_every: int,
           evaluate_fn: Callable | None, save_fn: Callable, writer: MetricWriter):
@@ -73,7 +78,7 @@ def train(state, *, train_step: Callable, next_batch: Callable[[], dict], total_
   while step < total_steps:
     state, metrics = train_step(state, next_batch())
     step += 1
-    if step % log_every == 0 or step == total_steps or step == 1:
+    if due(step, log_every, total_steps) or step == 1:
       metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
       logging.info("%s", progress.line(step, metrics))
       if metrics["skipped_steps"] > skipped:
@@ -82,12 +87,12 @@ def train(state, *, train_step: Callable, next_batch: Callable[[], dict], total_
         skipped = int(metrics["skipped_steps"])
       writer.write(step, metrics, "train")
       history.append({"step": step, "split": "train", **metrics})
-    if evaluate_fn is not None and (step % eval_every == 0 or step == total_steps):
+    if evaluate_fn is not None and due(step, eval_every, total_steps):
       metrics = evaluate_fn(state)
       logging.info("eval at step %d: loss %.4f  accuracy %.3f", step, metrics["loss"],
                    metrics.get("accuracy", np.nan))
       writer.write(step, metrics, "eval")
       history.append({"step": step, "split": "eval", **metrics})
-    if step % checkpoint_every == 0 or step == total_steps:
+    if due(step, checkpoint_every, total_steps):
       save_fn(step, state)
   return state, history
