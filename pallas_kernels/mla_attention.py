@@ -25,7 +25,7 @@ per query block computes dQ; the max-logit output has no gradient (as in the XLA
 The kernels see [batch, heads, seq, dim] and a whole row's keys/values (or queries) per
 program, which both Mosaic and Triton lower; the sequence is padded to the block, and
 for Triton the head dims to powers of two (zeros change no dot product). The XLA
-reference is `k25jax.model.attention.causal_attention`.
+reference is `k25jax.ops.attention.causal_attention`.
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from k25jax.ops import attention as xla_attention
 from pallas_kernels import common
 
 # (block_q, block_k) per target; the smallest block each target accepts.
@@ -45,9 +46,8 @@ MIN_BLOCK = {"tpu": 128, "gpu": 16, "interpret": 8}
 
 
 def reference(q, k, v, scale, segment_ids=None, chunk: int = 128):
-  """The XLA path: `k25jax.model.attention.causal_attention` → (out [b,s,h,dv], max_logits [h])."""
-  from k25jax.model import attention  # the model imports this package: import late
-  return attention.causal_attention(q, k, v, scale, segment_ids, chunk)
+  """The XLA path: `k25jax.ops.attention.causal_attention` → (out [b,s,h,dv], max_logits [h])."""
+  return xla_attention.causal_attention(q, k, v, scale, segment_ids, chunk)
 
 
 @dataclasses.dataclass(frozen=True)

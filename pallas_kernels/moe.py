@@ -33,7 +33,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: j
   """Σ_j w_tj · FFN_{e_tj}(x_t) with the Pallas sort and gmm; float32 [T, d].
 
   x: [T, d]; experts, weights: [T, k]; gate, up: [E, d, f]; down: [E, f, d]. The same
-  contract as `k25jax.model.moe.experts_dense` (its XLA reference).
+  contract as `k25jax.ops.moe.experts_dense` (its XLA reference).
   """
   n_tokens, top_k = experts.shape
   group_sizes, order, position = sort_by_expert(experts, gate.shape[0], interpret=interpret)

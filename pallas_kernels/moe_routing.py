@@ -1,6 +1,6 @@
 """Fused noaux_tc routing and the expert sort, one Pallas kernel over blocks of tokens.
 
-Per token t with router logits z_t [E] (DeepSeek-V3 / K2, as `k25jax.model.moe.route`):
+Per token t with router logits z_t [E] (DeepSeek-V3 / K2, as `k25jax.ops.moe.route`):
 
     s      = sigmoid(z)                          (float32; the `scores` output)
     c      = s + b                               (b = e_score_correction_bias, no gradient)
@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from k25jax.ops import moe as xla_moe
 from pallas_kernels import common
 
 DEFAULT_BLOCK = {"tpu": 256, "gpu": 64, "interpret": 128}
@@ -296,11 +297,10 @@ def sort_by_expert(experts: jax.Array, n_experts: int, *, block_tokens: int | No
 
 def reference(logits, bias, *, top_k, n_group=1, topk_group=1, norm_topk_prob=True,
               routed_scaling_factor=1.0) -> Routing:
-  """XLA: `k25jax.model.moe.route`, then a stable argsort of the assignments by expert."""
-  from k25jax.model import moe  # the model imports this package: import late
-  weights, experts, scores = moe.route(logits, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
-                                       norm_topk_prob=norm_topk_prob,
-                                       routed_scaling_factor=routed_scaling_factor)
-  order, group_sizes = moe.sort_by_expert(experts, logits.shape[1])
+  """XLA: `k25jax.ops.moe.route`, then a stable argsort of the assignments by expert."""
+  weights, experts, scores = xla_moe.route(logits, bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
+                                           norm_topk_prob=norm_topk_prob,
+                                           routed_scaling_factor=routed_scaling_factor)
+  order, group_sizes = xla_moe.sort_by_expert(experts, logits.shape[1])
   position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
   return Routing(weights, experts, scores, group_sizes, order.astype(jnp.int32), position.astype(jnp.int32))

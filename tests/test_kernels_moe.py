@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k25jax.model import moe as model_moe
+from k25jax.ops import moe as ops_moe
 from pallas_kernels import moe
 
 
@@ -49,7 +49,7 @@ def test_sort_by_expert_equals_stable_argsort(case):
     experts = np.stack([rng.choice([1, 4, 5, 7], 2, replace=False) for _ in range(40)])
   experts = jnp.asarray(experts, jnp.int32)
   group_sizes, order, position = moe.sort_by_expert(experts, 8, block_tokens=16)
-  want_order, want_sizes = model_moe.sort_by_expert(experts, 8)
+  want_order, want_sizes = ops_moe.sort_by_expert(experts, 8)
   np.testing.assert_array_equal(group_sizes, want_sizes)
   np.testing.assert_array_equal(order, want_order)
   np.testing.assert_array_equal(position[order], np.arange(order.shape[0]))
@@ -126,7 +126,7 @@ def test_routed_experts_equal_dense_values_and_gradients():
   args = (x, weights, gate, up, down)
   val, grads = jax.value_and_grad(loss(lambda *a: moe.routed_experts(*a, tiling=(16, 16, 16))),
                                   argnums=range(5))(*args)
-  ref_val, ref_grads = jax.value_and_grad(loss(model_moe.experts_dense), argnums=range(5))(*args)
+  ref_val, ref_grads = jax.value_and_grad(loss(ops_moe.experts_dense), argnums=range(5))(*args)
   _close(val, ref_val, 1e-5)
   for g, r in zip(grads, ref_grads):
     _close(g, r, 1e-5)

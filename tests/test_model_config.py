@@ -15,11 +15,11 @@ def _leaf_count(cfg):
 @pytest.mark.parametrize("name", ["tiny", "small", "k25"])
 def test_eval_shape_matches_analytic_count(name):
   cfg = config.preset(name)
-  assert _leaf_count(cfg) == config.count_params(cfg)["total"]
+  assert _leaf_count(cfg) == config.param_counts(cfg)["total"]
 
 
 def test_k25_counts_are_the_released_model():
-  counts = config.count_params(config.preset("k25"))
+  counts = config.param_counts(config.preset("k25"))
   print(f"k25 total {counts['total']:,} active {counts['active']:,}")
   assert 1.02e12 < counts["total"] < 1.04e12      # "1.04T" in the K2 report counts 1.03T text params
   assert 32.0e9 < counts["active"] < 33.5e9       # "32B activated"

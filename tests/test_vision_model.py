@@ -181,9 +181,9 @@ def test_vision_params_shard_by_their_logical_axes(params):
 
 def test_k25_preset_parameter_counts():
   """MoonViT-3D: 27 × (4D² + 2DI + 9D + I) + conv 588·D + D + table 64²·D + final LN 2D."""
-  counts = k25.count_params(config.k25_preset("k25"))
+  counts = k25.param_counts_by_part(config.k25_preset("k25"))
   d, i = 1152, 4304
   assert counts["vision_tower"] == 27 * (4 * d * d + 2 * d * i + 9 * d + i) + 589 * d + 64 * 64 * d + 2 * d
   assert counts["mm_projector"] == 2 * d + (4 * d) ** 2 + 4 * d + 4 * d * 7168 + 7168
   assert counts["total"] == sum(counts[k] for k in ("language_model", "vision_tower", "mm_projector"))
-  assert counts["language_model"] == config.count_params(config.preset("k25"))["total"]
+  assert counts["language_model"] == config.param_counts(config.preset("k25"))["total"]

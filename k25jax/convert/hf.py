@@ -4,8 +4,10 @@
     hf.save(cfg, params, path)           # a folder `DeepseekV3ForCausalLM.from_pretrained` loads
 
 A K2.5 folder whose config.json has a `vision_config` loads as the multimodal model
-(`K25Config`, params with the vision tower and projector: `k25jax.convert.hf_vision`) unless
-`text_only=True`; `hf.save` of a `K25Config` writes the multimodal checkpoint.
+(`K25Config`, params with the vision tower and projector) unless `text_only=True`;
+`hf.save` of a `K25Config` writes the multimodal checkpoint. The vision tower and
+projector tensors are `k25jax.convert.hf_vision`'s, read and written here beside the
+text model's.
 
 Names understood on load:
 * per-expert tensors `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`;
@@ -21,6 +23,7 @@ converted to the param dtype and, if `shardings` is given, placed on its shardin
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -31,9 +34,10 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from k25jax.convert import int4, safetensors_io, scan
+from k25jax.convert import hf_vision, int4, safetensors_io, scan
+from k25jax.convert.common import CheckpointError
 from k25jax.model import transformer
-from k25jax.model.config import ModelConfig
+from k25jax.model.config import K25Config, ModelConfig
 from k25jax.model.layers import dtype_of
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -41,10 +45,6 @@ _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weig
 _QUANT_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
 _SKIPPED = re.compile(r"(rotary_emb\.inv_freq$|^vision_tower\.|^mm_projector\.|^model\.vision_tower\.|"
                       r"^model\.mm_projector\.|^multi_modal_projector\.)")
-
-
-class CheckpointError(ValueError):
-  """A checkpoint that disagrees with its config (names the offending tensor)."""
 
 
 # ------------------------------------------------------------------------ naming
@@ -158,8 +158,10 @@ def load(path: str, shardings: Any = None, *, text_only: bool = False, **overrid
   """
   hf_cfg = _read_config_json(path)
   if "vision_config" in hf_cfg and not text_only:
-    from k25jax.convert import hf_vision  # imports this module: resolved at call time
-    return hf_vision.load(path, hf_cfg, shardings, **overrides)
+    cfg = K25Config.from_hf_dict(hf_cfg, **overrides)
+    consume, finish = hf_vision.reader(cfg, shardings)
+    text_shardings = None if shardings is None else shardings[hf_vision.TEXT]
+    return cfg, finish(load_text_params(path, hf_cfg, cfg.text, text_shardings, consume=consume))
   cfg = ModelConfig.from_hf_dict(hf_cfg, **overrides)
   return cfg, load_text_params(path, hf_cfg, cfg, shardings)
 
@@ -317,11 +319,15 @@ def to_hf_tensors(cfg: ModelConfig, params) -> Iterator[tuple[str, np.ndarray]]:
 def save(cfg: ModelConfig, params, path: str, max_shard_bytes: int = 2 << 30) -> None:
   """Writes config.json + safetensors shards (+ index when sharded) that transformers loads.
 
-  A `K25Config` writes the multimodal checkpoint (`hf_vision.save`).
+  A `K25Config` writes the multimodal checkpoint (transformers' Kimi_K25Config, the
+  released tensor layout): the text model under `language_model.`, then the vision
+  tower and projector (`hf_vision.to_hf_tensors`).
   """
   if not isinstance(cfg, ModelConfig):
-    from k25jax.convert import hf_vision  # imports this module: resolved at call time
-    return hf_vision.save(cfg, params, path, max_shard_bytes)
+    text = ((f"{hf_vision.TEXT}.{name}", value)
+            for name, value in to_hf_tensors(cfg.text, params[hf_vision.TEXT]))
+    tensors = itertools.chain(text, hf_vision.to_hf_tensors(params))
+    return write_checkpoint(path, cfg.to_hf_dict(), tensors, max_shard_bytes)
   write_checkpoint(path, cfg.to_hf_dict(), to_hf_tensors(cfg, params), max_shard_bytes)
 
 

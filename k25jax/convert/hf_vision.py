@@ -1,7 +1,11 @@
-"""Hugging Face K2.5 checkpoints ⇄ K25 params: the vision tower and projector (+ the text model).
+"""Hugging Face K2.5 checkpoints ⇄ K25 params: the vision tower and projector tensors.
 
     cfg, params = hf.load(path)          # a folder with config.json's `vision_config`
     hf.save(cfg, params, path)           # `Kimi_K25ForConditionalGeneration.from_pretrained` loads it
+
+`hf` drives both: on load its pass over the text model's files hands every vision or
+projector tensor to the hook of `reader`; on save it writes `to_hf_tensors` after the
+text model's tensors (under `language_model.`).
 
 Tensor layouts understood on load (one checkpoint may mix the first two):
 * released (moonshotai/Kimi-K2.5; also what transformers' save_pretrained writes):
@@ -27,14 +31,12 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from k25jax.convert import hf
+from k25jax.convert.common import CheckpointError
 from k25jax.model import k25
 from k25jax.model.config import K25Config, VisionConfig
 from k25jax.model.layers import dtype_of
 
-VISION = "vision_tower"
-PROJECTOR = "mm_projector"
-TEXT = "language_model"
+VISION, PROJECTOR, TEXT = k25.VISION_TOWER, k25.PROJECTOR, k25.LANGUAGE_MODEL
 
 # Equivalent spellings → the released name (prefix rewrites, applied in order).
 _PREFIXES = (
@@ -157,9 +159,14 @@ def released_names(key: tuple) -> str:
 
 
 # -------------------------------------------------------------------------- load
-def load(path: str, hf_cfg: dict, shardings: Any = None, **overrides: Any):
-  """A K2.5 folder → (K25Config, {"language_model", "vision_tower", "mm_projector"} params)."""
-  cfg = K25Config.from_hf_dict(hf_cfg, **overrides)
+def reader(cfg: K25Config, shardings: Any = None):
+  """The vision tower and projector of a K2.5 folder, read in the text model's pass over its files.
+
+  Returns (consume, finish): consume(raw_name, file) is the `consume` hook of
+  `hf.load_text_params` (True for a vision or projector tensor, taken here); finish(text)
+  checks that every vision tensor came and returns the {"language_model", "vision_tower",
+  "mm_projector"} params with `text` as the language model's.
+  """
   vcfg = cfg.vision
   abstract = traverse_util.flatten_dict(nn.meta.unbox(k25.abstract_params(cfg)))
   expected = {key: tuple(v.shape) for key, v in abstract.items() if key[0] != TEXT}
@@ -171,12 +178,12 @@ def load(path: str, hf_cfg: dict, shardings: Any = None, **overrides: Any):
 
   def place(key: tuple, value: np.ndarray, name: str):
     if key not in expected:
-      raise hf.CheckpointError(f"tensor {name!r} has no place in a model with this config")
+      raise CheckpointError(f"tensor {name!r} has no place in a model with this config")
     if tuple(value.shape) != expected[key]:
-      raise hf.CheckpointError(f"tensor {name!r} gives shape {tuple(value.shape)} for "
-                               f"{'/'.join(key)}, which this config makes {expected[key]}")
+      raise CheckpointError(f"tensor {name!r} gives shape {tuple(value.shape)} for "
+                            f"{'/'.join(key)}, which this config makes {expected[key]}")
     if key in out:
-      raise hf.CheckpointError(f"tensor {name!r} duplicates {source_of[key]!r}")
+      raise CheckpointError(f"tensor {name!r} duplicates {source_of[key]!r}")
     source_of[key] = name
     arr = np.asarray(value).astype(param_dtype)
     out[key] = jax.device_put(arr, flat_shardings[key]) if key in flat_shardings else jax.numpy.asarray(arr)
@@ -202,45 +209,39 @@ def load(path: str, hf_cfg: dict, shardings: Any = None, **overrides: Any):
       return True
     target = vision_target(name)
     if target is None:
-      raise hf.CheckpointError(f"tensor {raw_name!r} has no place in a model with this config")
+      raise CheckpointError(f"tensor {raw_name!r} has no place in a model with this config")
     key, kind = target
     value = np.asarray(file.get(raw_name))
     if kind in ("qkv", "wo", "conv") and value.ndim != {"conv": 4}.get(kind, 2):
-      raise hf.CheckpointError(f"tensor {raw_name!r} has shape {value.shape}, not a "
-                               f"{'4-D conv' if kind == 'conv' else '2-D linear'} weight")
+      raise CheckpointError(f"tensor {raw_name!r} has shape {value.shape}, not a "
+                            f"{'4-D conv' if kind == 'conv' else '2-D linear'} weight")
     try:
       value = _to_ours(kind, value, vcfg)
     except ValueError as e:   # a reshape that does not fit the config
-      raise hf.CheckpointError(f"tensor {raw_name!r} of shape {value.shape} does not fit this config: {e}")
+      raise CheckpointError(f"tensor {raw_name!r} of shape {value.shape} does not fit this config: {e}")
     place(key, value, raw_name)
     return True
 
-  text_shardings = None if shardings is None else shardings[TEXT]
-  text = hf.load_text_params(path, hf_cfg, cfg.text, text_shardings, consume=consume)
-  if qkv_parts:
-    key, parts = next(iter(qkv_parts.items()))
-    raise hf.CheckpointError(f"{'/'.join(key)}: only {sorted(parts)} of the q/k/v projections are present")
-  for key in expected:
-    if key not in out:
-      raise hf.CheckpointError(f"missing tensor {released_names(key)!r} (for {'/'.join(key)})")
-  params = traverse_util.unflatten_dict(out)
-  params[TEXT] = text
-  return cfg, params
+  def finish(text):
+    if qkv_parts:
+      key, parts = next(iter(qkv_parts.items()))
+      raise CheckpointError(f"{'/'.join(key)}: only {sorted(parts)} of the q/k/v projections are present")
+    for key in expected:
+      if key not in out:
+        raise CheckpointError(f"missing tensor {released_names(key)!r} (for {'/'.join(key)})")
+    params = traverse_util.unflatten_dict(out)
+    params[TEXT] = text
+    return params
+
+  return consume, finish
 
 
 # -------------------------------------------------------------------------- save
-def to_hf_tensors(cfg: K25Config, params) -> Iterator[tuple[str, np.ndarray]]:
-  """(released name, array) for every param: text under `language_model.`, then vision."""
-  for name, value in hf.to_hf_tensors(cfg.text, params[TEXT]):
-    yield "language_model." + name, value
+def to_hf_tensors(params) -> Iterator[tuple[str, np.ndarray]]:
+  """(released name, array) for every vision tower and projector param of K25 `params`."""
   for part in (VISION, PROJECTOR):
     for key, value in traverse_util.flatten_dict(params[part]).items():
       key = (part,) + key
       name = released_names(key)
       _, kind = vision_target(name)
       yield name, np.ascontiguousarray(_from_ours(kind, np.asarray(jax.device_get(value))))
-
-
-def save(cfg: K25Config, params, path: str, max_shard_bytes: int = 2 << 30) -> None:
-  """config.json (transformers' Kimi_K25Config) + the released tensor layout."""
-  hf.write_checkpoint(path, cfg.to_hf_dict(), to_hf_tensors(cfg, params), max_shard_bytes)

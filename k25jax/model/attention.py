@@ -10,7 +10,9 @@ Per token x (DeepSeek-V2/V3, names as in the checkpoint):
 
 with scale = qk_head_dim^-1/2 · m², m the YaRN mscale (1 without YaRN). The
 largest unmasked s_ij per head (`max_logits`, [heads]) is returned beside the
-output: QK-Clip reads it after each step.
+output: QK-Clip reads it after each step. The softmax runs as
+`k25jax.ops.attention.causal_attention` (XLA) or `pallas_kernels.mla_attention`
+(`ModelConfig.attention_impl`).
 
 Decode caches only what kv_a produces — the normed latent c (512) and the rotated
 rope key (64): 576 numbers per token per layer for K2.5 — and absorbs kv_b into
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 from k25jax.model import rope
 from k25jax.model.config import ModelConfig, yarn_attention_mscale
 from k25jax.model.layers import Linear, RMSNorm, dtype_of
+from k25jax.ops.attention import causal_attention
 
 # The latent norms of the checkpoint use this eps whatever `rms_norm_eps` says.
 LATENT_NORM_EPS = 1e-6
@@ -42,38 +45,6 @@ def attention_impl(cfg: ModelConfig) -> str:
   if cfg.attention_impl == "auto":
     return "pallas" if jax.default_backend() in ("tpu", "gpu") else "xla"
   return cfg.attention_impl
-
-
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
-                     segment_ids: jax.Array | None = None, chunk: int = 128
-                     ) -> tuple[jax.Array, jax.Array]:
-  """softmax(scale·q·kᵀ + mask)·v with causal ∧ same-segment mask, and per-head max logits.
-
-  q, k: [b, s, h, d_qk]; v: [b, s, h, d_v]; segment_ids: [b, s], 0 = padding (padding
-  queries are left out of the max). Queries are processed in chunks of `chunk` rows that
-  only see their causal prefix of keys, so the masked upper triangle is mostly skipped.
-  Returns (out [b, s, h, d_v], max_logits [h] float32).
-  """
-  seq = q.shape[1]
-  chunk = chunk if seq % chunk == 0 else seq
-  outs, row_maxes = [], []
-  for start in range(0, seq, chunk):
-    stop = start + chunk
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q[:, start:stop], k[:, :stop],
-                        preferred_element_type=jnp.float32) * scale
-    mask = (jnp.arange(start, stop)[:, None] >= jnp.arange(stop)[None, :])[None, None]
-    if segment_ids is not None:
-      mask = mask & (segment_ids[:, None, start:stop, None] == segment_ids[:, None, None, :stop])
-    logits = jnp.where(mask, logits, -jnp.inf)
-    row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))      # [b, h, q, 1]
-    probs = jnp.exp(logits - row_max)
-    probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-    outs.append(jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v[:, :stop]))
-    row_maxes.append(row_max[..., 0])
-  row_max = jnp.concatenate(row_maxes, axis=2)                                      # [b, h, s]
-  if segment_ids is not None:
-    row_max = jnp.where(segment_ids[:, None, :] > 0, row_max, -jnp.inf)
-  return jnp.concatenate(outs, axis=1), jnp.max(row_max, axis=(0, 2))
 
 
 class MLA(nn.Module):

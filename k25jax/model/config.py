@@ -233,7 +233,7 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
   return base.replace(**overrides) if overrides else base
 
 
-def count_params(cfg: ModelConfig) -> dict[str, int]:
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
   """Analytic parameter counts: total, and activated per token (top-k experts only).
 
   Per layer: MLA = q_a + q_a_norm + q_b (or q_proj) + kv_a + kv_a_norm + kv_b + o;

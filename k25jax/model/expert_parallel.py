@@ -12,7 +12,7 @@ device, with its T tokens and their top-k experts (A = T·k token-expert pairs):
        ragged_all_to_all   each source's rows packed behind the previous sources' rows
                            in a receive buffer of R = ⌈c·A⌉ rows;
      pairs that find no room are dropped and counted (`overflow`);
-  4. apply the local experts to the received rows (`moe.grouped_ffn`);
+  4. apply the local experts to the received rows (`k25jax.ops.moe.grouped_ffn`);
   5. send the results back the way they came and combine them in token order:
        y_t = Σ_j w_tj · FFN_{e_tj}(x_t)            (a dropped pair contributes 0).
 
@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from k25jax.model import moe
 from k25jax.model.config import ModelConfig
+from k25jax.ops.moe import grouped_ffn
 
 EXPERT_AXIS = "expert"
 TOKEN_AXES = ("activation_batch", "activation_length", "activation_embed")
@@ -169,7 +169,7 @@ def routed_experts(x, experts, weights, gate, up, down, *, token_spec: P, in_spe
     if embed_axes:
       gate, up = (jax.lax.all_gather(w, embed_axes, axis=1, tiled=True) for w in (gate, up))
       down = jax.lax.all_gather(down, embed_axes, axis=2, tiled=True)
-    ffn = lambda r, g: moe.grouped_ffn(r, g, gate, up, down, use_ragged_dot=use_ragged_dot, block=block)
+    ffn = lambda r, g: grouped_ffn(r, g, gate, up, down, use_ragged_dot=use_ragged_dot, block=block)
     me = jax.lax.axis_index(EXPERT_AXIS)
     flat = experts.reshape(-1).astype(jnp.int32)
     n_pairs = flat.shape[0]

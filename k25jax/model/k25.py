@@ -5,7 +5,8 @@
     h_0    = embed(tokens), placeholder rows ← feats in order (see `media`)
     logits = language_model(h_0)
 
-Params: {"language_model": the Transformer's, "vision_tower": ..., "mm_projector": ...}.
+Params: {LANGUAGE_MODEL: the Transformer's, VISION_TOWER: ..., PROJECTOR: ...}
+(the keys "language_model", "vision_tower", "mm_projector").
 
     model = K25(cfg)
     logits, aux = model.apply({"params": params}, tokens, pixel_values, grid_thw)
@@ -25,6 +26,9 @@ import numpy as np
 from k25jax.model import media, vision
 from k25jax.model.config import K25Config
 from k25jax.model.transformer import Transformer
+
+# The top-level keys of the K2.5 params (the submodules of `K25`).
+LANGUAGE_MODEL, VISION_TOWER, PROJECTOR = "language_model", "vision_tower", "mm_projector"
 
 
 def check_media(tokens, grid_thw: vision.Grid | None, cfg: K25Config) -> None:
@@ -108,7 +112,7 @@ def abstract_params(cfg: K25Config):
   return jax.eval_shape(lambda: K25(cfg).init(jax.random.PRNGKey(0), *_dummy_inputs(cfg)))["params"]
 
 
-def count_params(cfg: K25Config) -> dict[str, int]:
+def param_counts_by_part(cfg: K25Config) -> dict[str, int]:
   """Parameter counts per part and in total, from the abstract shapes (no allocation)."""
   params = nn.meta.unbox(abstract_params(cfg))
   counts = {part: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree)) for part, tree in params.items()}

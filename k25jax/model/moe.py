@@ -13,6 +13,9 @@ Router (DeepSeek-V3 `noaux_tc`), per token with hidden state x:
 Bias balancing (the train step calls `update_router_bias` after each step):
     b ← b + γ · sign(mean(load) − load).
 
+The router's `route` and the XLA expert paths are the pure functions of
+`k25jax.ops.moe`; this module holds the Flax layer and the balancing statistics.
+
 Expert compute paths (`ModelConfig.moe_impl`), all equal to each other:
 * ``dense``      every expert on every token (the reference; pays E/k × the flops);
 * ``ragged``     dropless: tokens sorted by expert into tiles of `block` rows, one
@@ -25,8 +28,8 @@ Expert compute paths (`ModelConfig.moe_impl`), all equal to each other:
 
 Expert parallelism (`k25jax.model.expert_parallel`): when the mesh's `expert` axis has
 more than one device, tokens travel by all-to-all to the devices holding their experts,
-which run `grouped_ffn` (tiles, or `ragged_dot` with moe_impl="ragged_dot") on what
-they receive.
+which run `k25jax.ops.moe.grouped_ffn` (tiles, or `ragged_dot` with moe_impl="ragged_dot")
+on what they receive.
 """
 from __future__ import annotations
 
@@ -34,34 +37,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from k25jax.model import expert_parallel
 from k25jax.model.config import ModelConfig
 from k25jax.model.layers import MLP, dtype_of, normal_init
+from k25jax.ops.moe import experts_dense, experts_ragged, experts_ragged_dot, route
 
 ROUTER_BIAS = "e_score_correction_bias"
 
 
-# ----------------------------------------------------------------------------- router
-def route(logits: jax.Array, bias: jax.Array, *, top_k: int, n_group: int, topk_group: int,
-          norm_topk_prob: bool, routed_scaling_factor: float
-          ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """noaux_tc routing. logits: [tokens, E] float32 → (weights [T, k], experts [T, k], s [T, E])."""
-  scores = jax.nn.sigmoid(logits.astype(jnp.float32))
-  choice = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
-  n_tokens, n_experts = scores.shape
-  if n_group > 1 and topk_group < n_group:
-    grouped = choice.reshape(n_tokens, n_group, n_experts // n_group)
-    group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)                     # [T, G]
-    _, kept = jax.lax.top_k(group_scores, topk_group)                       # [T, topk_group]
-    group_mask = jnp.zeros((n_tokens, n_group), bool).at[jnp.arange(n_tokens)[:, None], kept].set(True)
-    expert_mask = jnp.repeat(group_mask, n_experts // n_group, axis=1)
-    choice = jnp.where(expert_mask, choice, -jnp.inf)
-  _, experts = jax.lax.top_k(jax.lax.stop_gradient(choice), top_k)
-  weights = jnp.take_along_axis(scores, experts, axis=-1)
-  if norm_topk_prob:
-    weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-  return weights * routed_scaling_factor, experts, scores
-
-
+# ---------------------------------------------------------------------- load balancing
 def expert_load(experts: jax.Array, n_experts: int, token_mask: jax.Array | None = None) -> jax.Array:
   """Tokens routed to each expert, [E] float32 (masked tokens excluded). experts: [T, k]."""
   one_hot = jax.nn.one_hot(experts, n_experts, dtype=jnp.float32).sum(1)   # [T, E]
@@ -89,122 +73,6 @@ def sequence_balance_loss(scores: jax.Array, experts: jax.Array, token_mask: jax
   f = hits.sum(1) * n_experts / (top_k * n_tok)
   p = (scores / scores.sum(-1, keepdims=True) * mask).sum(1) / n_tok
   return jnp.mean(jnp.sum(f * p, axis=-1))
-
-
-# ------------------------------------------------------------------ expert compute paths
-def _swiglu(x, gate, up, down, in_spec: str, out_spec: str):
-  """down(silu(x·gate) ⊙ x·up), batched by the einsum specs of the up and down products."""
-  h = jax.nn.silu(jnp.einsum(in_spec, x, gate)) * jnp.einsum(in_spec, x, up)
-  return jnp.einsum(out_spec, h, down)
-
-
-def experts_dense(x, experts, weights, gate, up, down):
-  """Every expert on every token: y_t = Σ_e w_{t,e} FFN_e(x_t) with w = 0 off the top-k."""
-  n_experts = gate.shape[0]
-  dense_w = (jax.nn.one_hot(experts, n_experts, dtype=jnp.float32) * weights[..., None]).sum(1)
-  y = _swiglu(x, gate, up, down, "td,edf->tef", "tef,efd->ted")                           # [T, E, d]
-  return jnp.einsum("ted,te->td", y.astype(jnp.float32), dense_w)
-
-
-def sort_by_expert(experts: jax.Array, n_experts: int):
-  """Assignments (token t, slot j) ↦ a = t·k + j, stably sorted by expert.
-
-  Returns (order [A]: assignment at each sorted position, group_sizes [E] int32).
-  """
-  flat = experts.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
-  return order, group_sizes
-
-
-def auto_block_size(n_assignments: int, n_experts: int, max_block: int = 128) -> int:
-  """Largest power of two ≤ max_block whose worst-case tile padding stays ≤ 1/8 of the work."""
-  block = max_block
-  while block > 1 and min(n_experts, n_assignments) * (block - 1) * 8 > n_assignments:
-    block //= 2
-  return block
-
-
-def tile_layout(groups: jax.Array, n_groups: int, block: int):
-  """Rows sorted by group into tiles of `block` rows, each tile holding one group's rows.
-
-  groups: [N] ints; rows with a group ≥ n_groups are left out. Each group's rows are
-  padded to a multiple of `block`, so there are n_rows = N + min(n_groups, N)·(block−1)
-  slots (rounded up to whole tiles). Returns (source [n_rows]: the row in each slot, N
-  for padding; slot [N]: each row's slot, n_rows for rows left out; tile_group [tiles]).
-  """
-  n = groups.shape[0]
-  order = jnp.argsort(groups, stable=True)
-  sorted_group = groups[order]
-  sizes = jnp.bincount(groups, length=n_groups).astype(jnp.int32)        # groups ≥ n_groups not counted
-  padded_sizes = (sizes + block - 1) // block * block
-  padded_end = jnp.cumsum(padded_sizes)
-  padded_start = padded_end - padded_sizes
-  group_start = jnp.cumsum(sizes) - sizes
-  n_rows = -(-(n + min(n_groups, n) * (block - 1)) // block) * block
-  kept = sorted_group < n_groups
-  g = jnp.minimum(sorted_group, n_groups - 1)
-  dest = jnp.where(kept, padded_start[g] + jnp.arange(n) - group_start[g], n_rows).astype(jnp.int32)
-  source = jnp.full((n_rows,), n, jnp.int32).at[dest].set(order.astype(jnp.int32), mode="drop")
-  slot = jnp.zeros((n,), jnp.int32).at[order].set(dest)
-  tile_group = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(n_rows // block) * block, side="right"),
-                           n_groups - 1)
-  return source, slot, tile_group
-
-
-def _tiled_swiglu(tiles, tile_group, gate, up, down):
-  """[tiles, block, d] rows through the FFN of each tile's group."""
-  return _swiglu(tiles, gate[tile_group], up[tile_group], down[tile_group], "nbd,ndf->nbf", "nbf,nfd->nbd")
-
-
-def experts_ragged(x, experts, weights, gate, up, down, block: int = 0):
-  """Dropless expert compute over expert-sorted tiles (pays only for routed tokens).
-
-  Each expert's assignments are padded to a multiple of `block` rows; tile n
-  (rows n·block … n·block+block−1) belongs to one expert, so the layer is one
-  batched matmul [tiles, block, d] × [tiles, d, f]. Rows: A + min(E, A)·(block−1).
-  """
-  n_tokens, top_k = experts.shape
-  n_experts, d = gate.shape[0], x.shape[-1]
-  block = block or auto_block_size(n_tokens * top_k, n_experts)
-  source, slot, tile_group = tile_layout(experts.reshape(-1), n_experts, block)
-  x_padded = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)], axis=0)
-  rows = x_padded[jnp.minimum(source // top_k, n_tokens)].reshape(-1, block, d)
-  y_rows = _tiled_swiglu(rows, tile_group, gate, up, down)
-  y = y_rows.reshape(-1, d)[slot].reshape(n_tokens, top_k, d)
-  return jnp.einsum("tkd,tk->td", y.astype(jnp.float32), weights)
-
-
-def grouped_ffn(rows, groups, gate, up, down, *, use_ragged_dot: bool = False, block: int = 0):
-  """y_r = FFN_{groups_r}(rows_r) for rows [N, d], 0 where groups_r ≥ E (empty slots).
-
-  Over tiles as `experts_ragged`, or with `jax.lax.ragged_dot` on the rows sorted by
-  group (TPU/GPU's grouped matmul; a masked dense product on CPU).
-  """
-  n_rows, d = rows.shape
-  n_groups = gate.shape[0]
-  if use_ragged_dot:
-    order = jnp.argsort(groups, stable=True)
-    sizes = jnp.bincount(groups, length=n_groups).astype(jnp.int32)      # left-out rows sort last
-    x = rows[order]
-    h = jax.nn.silu(jax.lax.ragged_dot(x, gate, sizes)) * jax.lax.ragged_dot(x, up, sizes)
-    return jnp.zeros((n_rows, d), rows.dtype).at[order].set(jax.lax.ragged_dot(h, down, sizes))
-  block = block or auto_block_size(n_rows, n_groups)
-  source, slot, tile_group = tile_layout(groups, n_groups, block)
-  padded = jnp.concatenate([rows, jnp.zeros((1, d), rows.dtype)], axis=0)
-  y_tiles = _tiled_swiglu(padded[source].reshape(-1, block, d), tile_group, gate, up, down)
-  return jnp.concatenate([y_tiles.reshape(-1, d), jnp.zeros((1, d), y_tiles.dtype)], axis=0)[slot]
-
-
-def experts_ragged_dot(x, experts, weights, gate, up, down):
-  """Dropless expert compute with `jax.lax.ragged_dot` on expert-sorted rows."""
-  n_tokens, top_k = experts.shape
-  order, group_sizes = sort_by_expert(experts, gate.shape[0])
-  rows = x[order // top_k]
-  h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes)) * jax.lax.ragged_dot(rows, up, group_sizes)
-  y_sorted = jax.lax.ragged_dot(h, down, group_sizes)
-  y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n_tokens, top_k, -1)
-  return jnp.einsum("tkd,tk->td", y.astype(jnp.float32), weights)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -246,7 +114,6 @@ class Experts(nn.Module):
 
   @nn.compact
   def __call__(self, tokens: jax.Array, experts: jax.Array, weights: jax.Array):
-    from k25jax.model import expert_parallel  # imports this module
     cfg = self.cfg
     shape_in = (cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
     shape_out = (cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size)

@@ -1,0 +1,1 @@
+"""Pure jax.numpy building blocks below the model and the Pallas kernels; no Flax."""
