@@ -43,7 +43,7 @@ class Block:
     return dsl.decode(self.tokens)
 
 
-def blocks(transcript: widesearch.Transcript) -> list[Block]:
+def blocks(transcript: widesearch.AgentTranscript) -> list[Block]:
   """Splits a transcript at each `|`. A block is generated when any of its tokens is (a
   truncated turn's closing `|` is the environment's, the rest of the turn the agent's);
   trailing tokens without a `|` form a last block."""

@@ -1,30 +1,9 @@
-"""The synthetic wide-search environment of tiny PARL: hidden tables, tasks, scoring, the
-budgeted episode, and scripted reference policies that write SFT demonstrations.
+"""The budgeted episode (`Episode`): agent transcripts, turn requests, and the result.
 
-Hidden table. Each episode draws a table of 32 entities × 4 attributes with values
-V0..V15 (deterministic given the seed). `search A E` reveals one cell; an agent makes at
-most one search per step.
-
-Tasks (`make_task`, `sample_tasks`):
-* wide  "give attribute A for entities E_1..E_n" (n in 2..8): prompt `orch searcher A E1 .. En |`;
-  the gold table has one row per entity. Lookups are independent: n sub-agents can
-  do them in one step.
-* deep  "follow attribute A from entity E": prompt `orch follower A E |`. A value links to
-  the entity of the same number (Vk names Ek) and V0 ends the chain (`next_entity`). The
-  gold table is the chain of visited rows E→V, 2..3 hops. Each lookup needs the previous
-  value, so parallelism cannot help; delegating costs one extra step (the orchestrator
-  should learn NOT to spawn here).
-
-Scoring (`score_table`, WideSearch metrics): Item-F1 over cells matched on the key
-column (entity), Row-F1 over whole rows, success = exact table.
-
-Steps and budget (`StepTrace`, `Episode`). An episode is a sequence of stages; stage t is
-one orchestrator turn (S_main^t = 1) plus the sub-agents it assigned, which run in
-parallel; S_sub,i^t counts sub-agent i's tool turns in the stage. A sub-agent's closing
+Steps (stages and CriticalSteps: `k25jax.agents.widesearch.steps`). A sub-agent's closing
 `answer` turn is its hand-back, delivered with the orchestrator's next observation, and is
 not a step; the orchestrator's answer turn is a stage of its own (1 step). So:
 
-    CriticalSteps = Σ_t (S_main^t + max_i S_sub,i^t)
     wide task of n entities split over k sub-agents:  1 + ceil(n / k) + 1
     the orchestrator alone (k = 0):                   n + 1   (deep chain of h rows: h + 1)
 
@@ -48,232 +27,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable, Iterable, Mapping, Sequence
-
-import numpy as np
+from typing import Sequence
 
 from k25jax.agents import dsl
 from k25jax.agents import tools
+from k25jax.agents.widesearch.scoring import TableScore, score_table, table_rows
+from k25jax.agents.widesearch.steps import StepTrace
+from k25jax.agents.widesearch.tasks import DEFAULT_BUDGET, TERMINAL_VALUE, Task
 
-DEFAULT_BUDGET = 4
-MAX_CONTEXT = 80          # tokens per agent context in the tiny setting (budget 4, n ≤ 8)
-TERMINAL_VALUE = 0        # V0 ends a deep chain
-KINDS = ("wide", "deep")
-KIND_SYSTEM_PROMPT = {"wide": "searcher", "deep": "follower"}
-
-
-# --- hidden tables and tasks ------------------------------------------------------------
-
-def next_entity(value: int) -> int | None:
-  """The entity a value names in a deep chain (Vk → Ek), or None for the terminal V0."""
-  return None if value == TERMINAL_VALUE else int(value)
-
-
-def follow_chain(table: np.ndarray, attribute: int, start: int) -> tuple[tuple[int, int], ...]:
-  """The rows a deep task visits: (E, table[E, attribute]) from `start` until V0 or a revisit."""
-  rows, entity, seen = [], start, set()
-  while entity is not None and entity not in seen:
-    seen.add(entity)
-    value = int(table[entity, attribute])
-    rows.append((entity, value))
-    entity = next_entity(value)
-  return tuple(rows)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Task:
-  """One episode's task: `kind` wide|deep, the attribute asked, `entities` (wide: the n asked;
-  deep: the start), and the hidden `table` int [NUM_ENTITIES, NUM_ATTRIBUTES]."""
-
-  kind: str
-  attribute: int
-  entities: tuple[int, ...]
-  table: np.ndarray
-
-  @property
-  def system_prompt(self) -> str:
-    return KIND_SYSTEM_PROMPT[self.kind]
-
-  @property
-  def gold(self) -> tuple[tuple[int, int], ...]:
-    """The gold table as (entity, value) rows."""
-    if self.kind == "deep":
-      return follow_chain(self.table, self.attribute, self.entities[0])
-    return tuple((e, int(self.table[e, self.attribute])) for e in self.entities)
-
-  def lookup(self, entity: int, attribute: int) -> int:
-    """The `search` tool: one cell of the hidden table."""
-    return int(self.table[entity, attribute])
-
-  def prompt(self) -> list[int]:
-    """The orchestrator's prompt block, `orch SYSTEM A E.. |`."""
-    return tools.format_prompt("orch", self.system_prompt, self.attribute, self.entities)
-
-
-def make_task(seed, *, kind: str = "wide", n: int | None = None, hops: int | None = None,
-              n_range: tuple[int, int] = (2, 8), hops_range: tuple[int, int] = (2, 3)) -> Task:
-  """A task and its hidden table, deterministic given `seed` (an int or a tuple of ints).
-
-  wide: n distinct entities (n drawn from n_range, inclusive, unless given). deep: a chain
-  of `hops` rows (drawn from hops_range unless given) through distinct entities, planted
-  in the table: the start is any entity, the others E1..E15 (those a value can name).
-  """
-  if kind not in KINDS:
-    raise ValueError(f"task kind {kind!r}; choose one of {KINDS}")
-  rng = np.random.default_rng(seed)
-  table = rng.integers(0, dsl.NUM_VALUES, size=(dsl.NUM_ENTITIES, dsl.NUM_ATTRIBUTES)).astype(np.int32)
-  attribute = int(rng.integers(dsl.NUM_ATTRIBUTES))
-  if kind == "wide":
-    n = int(rng.integers(n_range[0], n_range[1] + 1)) if n is None else n
-    if not 1 <= n <= dsl.NUM_AGENTS:
-      raise ValueError(f"a wide task asks 1..{dsl.NUM_AGENTS} entities, got n={n}")
-    entities = tuple(int(e) for e in rng.choice(dsl.NUM_ENTITIES, size=n, replace=False))
-    return Task(kind, attribute, entities, table)
-  hops = int(rng.integers(hops_range[0], hops_range[1] + 1)) if hops is None else hops
-  if not 1 <= hops <= dsl.NUM_VALUES - 1:
-    raise ValueError(f"a deep task has 1..{dsl.NUM_VALUES - 1} hops, got hops={hops}")
-  start = int(rng.integers(dsl.NUM_ENTITIES))
-  linkable = [e for e in range(1, dsl.NUM_VALUES) if e != start]
-  chain = [start, *(int(e) for e in rng.choice(linkable, size=hops - 1, replace=False))]
-  for here, there in zip(chain, chain[1:]):
-    table[here, attribute] = there             # the value V<there> names entity E<there>
-  table[chain[-1], attribute] = TERMINAL_VALUE
-  return Task(kind, attribute, (start,), table)
-
-
-def sample_tasks(num: int, seed: int, *, deep_fraction: float = 0.0, **kwargs) -> list[Task]:
-  """`num` tasks, each deep with probability deep_fraction; kwargs go to `make_task`."""
-  if not 0.0 <= deep_fraction <= 1.0:
-    raise ValueError(f"deep_fraction={deep_fraction} must be a probability")
-  deep = np.random.default_rng(seed).random(num) < deep_fraction
-  return [make_task((seed, i), kind="deep" if deep[i] else "wide", **kwargs) for i in range(num)]
-
-
-# --- scoring ----------------------------------------------------------------------------
-
-def normalize(cell) -> str:
-  """A cell's comparable rendering: str(), whitespace runs collapsed and stripped, casefolded."""
-  return " ".join(str(cell).split()).casefold()
-
-
-def table_rows(pairs: Iterable[tuple[int, int]], attribute: int) -> list[dict[str, str]]:
-  """(entity, value) index pairs → rows {"entity": "E5", "A2": "V3"} for `score_table`."""
-  column = dsl.ATTRIBUTE.name(attribute)
-  return [{"entity": dsl.ENTITY.name(e), column: dsl.VALUE.name(v)} for e, v in pairs]
-
-
-@dataclasses.dataclass(frozen=True)
-class TableScore:
-  """WideSearch metrics of one predicted table against its gold table."""
-
-  item_precision: float
-  item_recall: float
-  item_f1: float
-  row_precision: float
-  row_recall: float
-  row_f1: float
-  success: bool
-
-
-def _f1(matched: int, predicted: int, gold: int) -> tuple[float, float, float]:
-  """Precision, recall, F1 of `matched` out of `predicted` and `gold` items.
-  Precision of an empty prediction is 1 only against an empty gold; recall of an empty gold is 1."""
-  precision = matched / predicted if predicted else float(gold == 0)
-  recall = matched / gold if gold else 1.0
-  f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-  return precision, recall, f1
-
-
-def score_table(predicted: Iterable[Mapping[str, object]], gold: Iterable[Mapping[str, object]],
-                key: Sequence[str] = ("entity",)) -> TableScore:
-  """Item-F1, Row-F1 and success of a predicted table (rows: column → cell).
-
-  Rows are aligned on the `key` columns; every other column of a row is a cell. All keys,
-  column names and cells compare after `normalize` (case- and whitespace-insensitive).
-  * Item: each gold cell (key, column, value) can be matched by ONE predicted cell.
-    precision = matched / predicted cells, recall = matched / gold cells. A duplicated
-    predicted row therefore counts once for recall and its copy counts against precision
-    (so do conflicting duplicates); a missing row lowers recall, an extra row precision.
-  * Row: a predicted row matches a gold row when its key and all its cells equal the gold
-    row's (same columns); each gold row matches once. precision/recall as for items.
-  * success: every predicted row matches and every gold row is matched (the exact table).
-  Gold keys must be unique (ValueError otherwise).
-  """
-  key = tuple(key)
-
-  def split(row):
-    row_key = tuple(normalize(row.get(k, "")) for k in key)
-    cells = frozenset((normalize(c), normalize(v)) for c, v in row.items() if c not in key)
-    return row_key, cells
-
-  predicted_rows = [split(r) for r in predicted]
-  gold_rows = [split(r) for r in gold]
-  if len({k for k, _ in gold_rows}) != len(gold_rows):
-    raise ValueError("the gold table repeats a key")
-  count = lambda items: collections.Counter(items)
-  item = lambda rows: count((k, c, v) for k, cells in rows for c, v in cells)
-  predicted_items, gold_items = item(predicted_rows), item(gold_rows)
-  matched_items = sum((predicted_items & gold_items).values())
-  matched_rows = sum((count(predicted_rows) & count(gold_rows)).values())
-  item_p, item_r, item_f = _f1(matched_items, sum(predicted_items.values()), sum(gold_items.values()))
-  row_p, row_r, row_f = _f1(matched_rows, len(predicted_rows), len(gold_rows))
-  success = matched_rows == len(predicted_rows) == len(gold_rows)
-  return TableScore(item_p, item_r, item_f, row_p, row_r, row_f, success)
-
-
-# --- step accounting --------------------------------------------------------------------
 
 @dataclasses.dataclass
-class StepTrace:
-  """Per stage t (one orchestrator step, S_main^t = 1): the steps of each sub-agent slot
-  active in it, {slot: S_sub,i^t}."""
-
-  max_subagents: int = dsl.NUM_AGENTS
-  stages: list[dict[int, int]] = dataclasses.field(default_factory=list)
-
-  def add_stage(self, sub_steps: Mapping[int, int] | None = None) -> None:
-    sub_steps = dict(sub_steps or {})
-    bad = [s for s in sub_steps if not 0 <= s < self.max_subagents]
-    if bad:
-      raise ValueError(f"sub-agent slots {bad} are outside [0, {self.max_subagents})")
-    self.stages.append(sub_steps)
-
-  @property
-  def critical_steps(self) -> int:
-    """Σ_t (1 + max_i S_sub,i^t), the same number as `losses.critical_steps(*self.arrays())`."""
-    return sum(1 + max(stage.values(), default=0) for stage in self.stages)
-
-  def arrays(self, num_stages: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(main_steps int32 [T], sub_steps int32 [T, max_subagents]) in the layout of
-    `losses.critical_steps`; T = num_stages (zero-padded; stages of zeros add nothing)."""
-    num_stages = len(self.stages) if num_stages is None else num_stages
-    if num_stages < len(self.stages):
-      raise ValueError(f"the trace has {len(self.stages)} stages, more than num_stages={num_stages}")
-    main = np.zeros(num_stages, np.int32)
-    sub = np.zeros((num_stages, self.max_subagents), np.int32)
-    for t, stage in enumerate(self.stages):
-      main[t] = 1
-      for slot, steps in stage.items():
-        sub[t, slot] = steps
-    return main, sub
-
-
-def stack_traces(traces: Sequence[StepTrace], num_stages: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-  """A batch of traces as (main_steps [B, T], sub_steps [B, T, max_subagents]), zero-padded."""
-  num_stages = max((len(t.stages) for t in traces), default=0) if num_stages is None else num_stages
-  arrays = [t.arrays(num_stages) for t in traces]
-  width = max((t.max_subagents for t in traces), default=dsl.NUM_AGENTS)
-  main = np.zeros((len(traces), num_stages), np.int32)
-  sub = np.zeros((len(traces), num_stages, width), np.int32)
-  for b, (m, s) in enumerate(arrays):
-    main[b], sub[b, :, :s.shape[1]] = m, s
-  return main, sub
-
-
-# --- the budgeted episode ---------------------------------------------------------------
-
-@dataclasses.dataclass
-class Transcript:
+class AgentTranscript:
   """One agent context as it grew: `loss_mask` 1 on tokens the agent generated (its turns),
   0 on the environment's (prompt, observations, a `|` closing a truncated turn);
   `logprobs` as submitted for generated tokens, 0 elsewhere."""
@@ -316,7 +80,7 @@ class _SubagentRun:
 
   task: tools.AssignTask
   system_prompt: str
-  transcript: Transcript
+  transcript: AgentTranscript
   allowance: int
   steps: int = 0
   forced: bool = False
@@ -350,8 +114,8 @@ class EpisodeResult:
   num_assigned: int
   num_finished: int
   errors: dict[str, collections.Counter]
-  orchestrator: Transcript
-  subagents: list[Transcript]
+  orchestrator: AgentTranscript
+  subagents: list[AgentTranscript]
 
   @property
   def critical_steps(self) -> int:
@@ -388,9 +152,9 @@ class Episode:
     self.budget = budget
     self.max_subagent_steps = max_subagent_steps
     self.trace = StepTrace()
-    self.orchestrator = Transcript("orch", "main", 0)
+    self.orchestrator = AgentTranscript("orch", "main", 0)
     self.orchestrator.add(task.prompt(), generated=False)
-    self.subagents: list[Transcript] = []
+    self.subagents: list[AgentTranscript] = []
     self.created: dict[int, str] = {}
     self.errors = {"orch": collections.Counter(), "sub": collections.Counter()}
     self.num_assigned = 0
@@ -433,7 +197,7 @@ class Episode:
 
   # -- turns --
 
-  def _record_turn(self, transcript: Transcript, parsed: tools.ParsedTurn, logprobs, role: str) -> None:
+  def _record_turn(self, transcript: AgentTranscript, parsed: tools.ParsedTurn, logprobs, role: str) -> None:
     turn_logprobs = None if logprobs is None else list(logprobs)[:len(parsed.tokens)]
     transcript.add(parsed.tokens, generated=True, logprobs=turn_logprobs)
     if not parsed.complete:
@@ -474,7 +238,7 @@ class Episode:
       self._main_errors.append(self._error("orch", "budget", "assign", "no sub-agent step left"))
       return
     name, system = dsl.AGENT.name(call.agent), self.created[call.agent]
-    transcript = Transcript("sub", name, len(self.trace.stages))
+    transcript = AgentTranscript("sub", name, len(self.trace.stages))
     transcript.add(tools.format_prompt("sub", system, call.attribute, call.entities), generated=False)
     self._runs[call.agent] = _SubagentRun(call, system, transcript, allowance)
     self.subagents.append(transcript)
@@ -515,116 +279,3 @@ class Episode:
     return EpisodeResult(self.task, self.prediction, score, self.trace, self.forced, len(self.created),
                          self.num_assigned, self.num_finished, self.errors, self.orchestrator,
                          list(self.subagents))
-
-
-# --- scripted reference policies ---------------------------------------------------------
-
-Policy = Callable[[Sequence[int]], list[int]]
-
-
-def _pending_entity(view: tools.ContextView) -> int | None:
-  """The next lookup a solo agent needs, or None when its task is complete."""
-  if view.system_prompt == "searcher":
-    return next((e for e in view.entities if view.value_of(e) is None), None)
-  if not view.found:
-    return view.entities[0]
-  following = next_entity(view.found[-1][1])
-  return None if following is None or view.value_of(following) is not None else following
-
-
-def _solo_call(view: tools.ContextView) -> tools.ToolCall:
-  """Search the next needed cell, or answer (when done or stopped) with the cells found."""
-  entity = _pending_entity(view)
-  if entity is not None and not view.stopped:
-    return tools.Search(entity, view.attribute)
-  if view.system_prompt == "searcher":
-    rows = tuple((e, view.value_of(e)) for e in view.entities if view.value_of(e) is not None)
-  else:
-    rows = view.found
-  return tools.Answer(rows)
-
-
-def solo_policy(context: Sequence[int]) -> list[int]:
-  """Scripted single agent (a sub-agent, or an orchestrator without sub-agents): one search
-  per step over its entities (searcher) or along the chain (follower), then the answer."""
-  return tools.render_turn([_solo_call(tools.read_context(context))])
-
-
-def delegation(view: tools.ContextView, num_subagents: int) -> list[tools.ToolCall]:
-  """The calls that split a task over sub-agents S1..Sk: a wide task's entities in k
-  contiguous near-equal chunks (k capped at n); a deep chain to one follower."""
-  if view.system_prompt == "follower":
-    return [tools.CreateSubagent(0, "follower"), tools.AssignTask(0, view.attribute, view.entities[:1])]
-  chunks = np.array_split(np.asarray(view.entities), min(num_subagents, len(view.entities)))
-  return ([tools.CreateSubagent(slot, "searcher") for slot in range(len(chunks))]
-          + [tools.AssignTask(slot, view.attribute, tuple(int(e) for e in chunk))
-             for slot, chunk in enumerate(chunks)])
-
-
-@dataclasses.dataclass(frozen=True)
-class ScriptedOrchestrator:
-  """Scripted orchestrator: with num_subagents = k > 0 its first turn delegates (see
-  `delegation`); afterwards (and always when k = 0) it acts as `solo_policy` over what it
-  has observed: it searches what is still missing, and answers when done or stopped."""
-
-  num_subagents: int
-
-  def __call__(self, context: Sequence[int]) -> list[int]:
-    view = tools.read_context(context)
-    if view.num_turns == 0 and self.num_subagents > 0:
-      return tools.render_turn(delegation(view, self.num_subagents))
-    return tools.render_turn([_solo_call(view)])
-
-
-def run_episode(task: Task, orchestrator: Policy, subagent: Policy = solo_policy, *,
-                budget: int = DEFAULT_BUDGET, max_subagent_steps: int | None = None) -> EpisodeResult:
-  """Drives one episode with plain callables (context ids → turn ids) until it ends."""
-  episode = Episode(task, budget=budget, max_subagent_steps=max_subagent_steps)
-  while not episode.done:
-    for request in episode.requests():
-      policy = orchestrator if request.role == "orch" else subagent
-      episode.submit(request.agent, policy(request.context))
-  return episode.result()
-
-
-def demonstrations(num_episodes: int, seed: int, *, budget: int = DEFAULT_BUDGET,
-                   deep_fraction: float = 0.25, max_length: int = MAX_CONTEXT,
-                   **task_kwargs) -> dict[str, np.ndarray]:
-  """SFT demonstrations of both roles, from scripted policies run through the budgeted env.
-
-  Each episode's orchestrator uses k sub-agents, k uniform in 0..n for a wide task of n
-  entities and in {0, 1} for a deep one, so demos include serial, truncated and
-  over-split episodes. Every context is one row (deterministic given seed):
-    tokens     int32 [N, max_length]   context, then PAD
-    loss_mask  float32 [N, max_length] 1 on generated tokens (the SFT targets:
-               weights = loss_mask[:, 1:] for targets tokens[:, 1:])
-    length     int32 [N]   role  int32 [N] (0 orchestrator, 1 sub-agent)   episode  int32 [N]
-  and per episode: num_subagents, item_f1, critical_steps  [num_episodes]. The first m
-  episodes of a run are the m episodes of a shorter run with the same seed.
-  Raises ValueError if a context is longer than max_length.
-  """
-  tasks = sample_tasks(num_episodes, seed, deep_fraction=deep_fraction, **task_kwargs)
-  rows, per_episode = [], collections.defaultdict(list)
-  for index, task in enumerate(tasks):
-    rng = np.random.default_rng((seed, index, 1))
-    k = int(rng.integers(0, 2 if task.kind == "deep" else len(task.entities) + 1))
-    result = run_episode(task, ScriptedOrchestrator(k), budget=budget)
-    rows += [(t, index) for t in [result.orchestrator, *result.subagents]]
-    per_episode["num_subagents"].append(k)
-    per_episode["item_f1"].append(result.score.item_f1)
-    per_episode["critical_steps"].append(result.critical_steps)
-  longest = max(len(t.tokens) for t, _ in rows)
-  if longest > max_length:
-    raise ValueError(f"a demonstration context has {longest} tokens, more than max_length={max_length}")
-  tokens = np.full((len(rows), max_length), dsl.PAD_ID, np.int32)
-  loss_mask = np.zeros((len(rows), max_length), np.float32)
-  for j, (transcript, _) in enumerate(rows):
-    tokens[j, :len(transcript.tokens)] = transcript.tokens
-    loss_mask[j, :len(transcript.tokens)] = transcript.loss_mask
-  return {"tokens": tokens, "loss_mask": loss_mask,
-          "length": np.array([len(t.tokens) for t, _ in rows], np.int32),
-          "role": np.array([int(t.role == "sub") for t, _ in rows], np.int32),
-          "episode": np.array([i for _, i in rows], np.int32),
-          "num_subagents": np.array(per_episode["num_subagents"], np.int32),
-          "item_f1": np.array(per_episode["item_f1"], np.float32),
-          "critical_steps": np.array(per_episode["critical_steps"], np.int32)}

@@ -1,0 +1,125 @@
+"""Scripted reference policies (`solo_policy`, `ScriptedOrchestrator`), `run_episode` to
+drive an episode with plain callables, and the SFT `demonstrations` they write.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Callable, Sequence
+
+import numpy as np
+
+from k25jax.agents import dsl
+from k25jax.agents import tools
+from k25jax.agents.widesearch.episode import Episode, EpisodeResult
+from k25jax.agents.widesearch.tasks import DEFAULT_BUDGET, MAX_CONTEXT, Task, next_entity, sample_tasks
+
+Policy = Callable[[Sequence[int]], list[int]]
+
+
+def _pending_entity(view: tools.ContextView) -> int | None:
+  """The next lookup a solo agent needs, or None when its task is complete."""
+  if view.system_prompt == "searcher":
+    return next((e for e in view.entities if view.value_of(e) is None), None)
+  if not view.found:
+    return view.entities[0]
+  following = next_entity(view.found[-1][1])
+  return None if following is None or view.value_of(following) is not None else following
+
+
+def _solo_call(view: tools.ContextView) -> tools.ToolCall:
+  """Search the next needed cell, or answer (when done or stopped) with the cells found."""
+  entity = _pending_entity(view)
+  if entity is not None and not view.stopped:
+    return tools.Search(entity, view.attribute)
+  if view.system_prompt == "searcher":
+    rows = tuple((e, view.value_of(e)) for e in view.entities if view.value_of(e) is not None)
+  else:
+    rows = view.found
+  return tools.Answer(rows)
+
+
+def solo_policy(context: Sequence[int]) -> list[int]:
+  """Scripted single agent (a sub-agent, or an orchestrator without sub-agents): one search
+  per step over its entities (searcher) or along the chain (follower), then the answer."""
+  return tools.render_turn([_solo_call(tools.read_context(context))])
+
+
+def delegation(view: tools.ContextView, num_subagents: int) -> list[tools.ToolCall]:
+  """The calls that split a task over sub-agents S1..Sk: a wide task's entities in k
+  contiguous near-equal chunks (k capped at n); a deep chain to one follower."""
+  if view.system_prompt == "follower":
+    return [tools.CreateSubagent(0, "follower"), tools.AssignTask(0, view.attribute, view.entities[:1])]
+  chunks = np.array_split(np.asarray(view.entities), min(num_subagents, len(view.entities)))
+  return ([tools.CreateSubagent(slot, "searcher") for slot in range(len(chunks))]
+          + [tools.AssignTask(slot, view.attribute, tuple(int(e) for e in chunk))
+             for slot, chunk in enumerate(chunks)])
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptedOrchestrator:
+  """Scripted orchestrator: with num_subagents = k > 0 its first turn delegates (see
+  `delegation`); afterwards (and always when k = 0) it acts as `solo_policy` over what it
+  has observed: it searches what is still missing, and answers when done or stopped."""
+
+  num_subagents: int
+
+  def __call__(self, context: Sequence[int]) -> list[int]:
+    view = tools.read_context(context)
+    if view.num_turns == 0 and self.num_subagents > 0:
+      return tools.render_turn(delegation(view, self.num_subagents))
+    return tools.render_turn([_solo_call(view)])
+
+
+def run_episode(task: Task, orchestrator: Policy, subagent: Policy = solo_policy, *,
+                budget: int = DEFAULT_BUDGET, max_subagent_steps: int | None = None) -> EpisodeResult:
+  """Drives one episode with plain callables (context ids → turn ids) until it ends."""
+  episode = Episode(task, budget=budget, max_subagent_steps=max_subagent_steps)
+  while not episode.done:
+    for request in episode.requests():
+      policy = orchestrator if request.role == "orch" else subagent
+      episode.submit(request.agent, policy(request.context))
+  return episode.result()
+
+
+def demonstrations(num_episodes: int, seed: int, *, budget: int = DEFAULT_BUDGET,
+                   deep_fraction: float = 0.25, max_length: int = MAX_CONTEXT,
+                   **task_kwargs) -> dict[str, np.ndarray]:
+  """SFT demonstrations of both roles, from scripted policies run through the budgeted env.
+
+  Each episode's orchestrator uses k sub-agents, k uniform in 0..n for a wide task of n
+  entities and in {0, 1} for a deep one, so demos include serial, truncated and
+  over-split episodes. Every context is one row (deterministic given seed):
+    tokens     int32 [N, max_length]   context, then PAD
+    loss_mask  float32 [N, max_length] 1 on generated tokens (the SFT targets:
+               weights = loss_mask[:, 1:] for targets tokens[:, 1:])
+    length     int32 [N]   role  int32 [N] (0 orchestrator, 1 sub-agent)   episode  int32 [N]
+  and per episode: num_subagents, item_f1, critical_steps  [num_episodes]. The first m
+  episodes of a run are the m episodes of a shorter run with the same seed.
+  Raises ValueError if a context is longer than max_length.
+  """
+  tasks = sample_tasks(num_episodes, seed, deep_fraction=deep_fraction, **task_kwargs)
+  rows, per_episode = [], collections.defaultdict(list)
+  for index, task in enumerate(tasks):
+    rng = np.random.default_rng((seed, index, 1))
+    k = int(rng.integers(0, 2 if task.kind == "deep" else len(task.entities) + 1))
+    result = run_episode(task, ScriptedOrchestrator(k), budget=budget)
+    rows += [(t, index) for t in [result.orchestrator, *result.subagents]]
+    per_episode["num_subagents"].append(k)
+    per_episode["item_f1"].append(result.score.item_f1)
+    per_episode["critical_steps"].append(result.critical_steps)
+  longest = max(len(t.tokens) for t, _ in rows)
+  if longest > max_length:
+    raise ValueError(f"a demonstration context has {longest} tokens, more than max_length={max_length}")
+  tokens = np.full((len(rows), max_length), dsl.PAD_ID, np.int32)
+  loss_mask = np.zeros((len(rows), max_length), np.float32)
+  for j, (transcript, _) in enumerate(rows):
+    tokens[j, :len(transcript.tokens)] = transcript.tokens
+    loss_mask[j, :len(transcript.tokens)] = transcript.loss_mask
+  return {"tokens": tokens, "loss_mask": loss_mask,
+          "length": np.array([len(t.tokens) for t, _ in rows], np.int32),
+          "role": np.array([int(t.role == "sub") for t, _ in rows], np.int32),
+          "episode": np.array([i for _, i in rows], np.int32),
+          "num_subagents": np.array(per_episode["num_subagents"], np.int32),
+          "item_f1": np.array(per_episode["item_f1"], np.float32),
+          "critical_steps": np.array(per_episode["critical_steps"], np.int32)}
