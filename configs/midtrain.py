@@ -4,21 +4,19 @@ YaRN (factor 4 over a 256-token original context), activations and attention sha
 along the `sequence` mesh axis (every device, by default).
 
 Preset: `tiny` (default; CPU). Start from joint pre-training with
-`--config.train.init_from=runs/pretrain_joint`.
+`--config.init.checkpoint=runs/pretrain_joint`.
 """
 import ml_collections
 
-from k25jax.data import visual_synthetic
-from k25jax.train.config_utils import adamw_section, k25_model_section
+from configs import common
 
 
 def get_config(arg=None):
-  preset = arg or "tiny"
-  if preset != "tiny":
-    raise ValueError(f"configs/midtrain.py: unknown preset {preset!r}; choose 'tiny'")
+  preset, _ = common.preset_and_switches(arg, "configs/midtrain.py", ("tiny",))
   c = ml_collections.ConfigDict()
   c.stage = "midtrain"
-  c.model = k25_model_section(preset)
+  c.model = common.k25_model_section(preset)
+  c.init = common.init_section(k25=True)
 
   c.long_context = ml_collections.ConfigDict(dict(
       yarn_factor=4.0,                     # max positions = yarn_factor x original_context
@@ -36,14 +34,14 @@ def get_config(arg=None):
       vision_ratio=0.1,
       vision_schedule="constant",
       vision_start=0.0,
-      vision_tasks=visual_synthetic.TASKS,
+      vision_tasks=common.VISUAL_TASKS,
       max_patches=1024,
       vision_eval_batches=1,
   ))
 
-  c.optimizer = adamw_section(lr=3e-4, warmup_steps=5, decay_steps=20, weight_decay=0.1)
+  c.optimizer = common.adamw_section(lr=3e-4, warmup_steps=5, decay_steps=20, weight_decay=0.1)
 
-  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, expert=1, sequence=-1, tensor=1))
+  c.mesh = common.mesh_section(data=1, sequence=-1)
 
   c.train = ml_collections.ConfigDict(dict(
       steps=40,
@@ -58,7 +56,5 @@ def get_config(arg=None):
       router_bias_rate=1e-3,
       balance_loss_alpha=1e-4,
       z_loss=1e-4,
-      init_from="",                        # a K2.5 stage's workdir (runs/pretrain_joint)
-      init_lm_from="",                     # a text pretrain workdir (the language model only)
   ))
   return c

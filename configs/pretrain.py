@@ -11,14 +11,13 @@ pod: scanned MoE layers, expert parallelism, MuonClip, 1024 × 4096 tokens a ste
 """
 import ml_collections
 
-from k25jax.data import visual_synthetic
-from k25jax.train.config_utils import k25_model_section, model_section
+from configs import common
+
+PRESETS = ("tiny", "small", "joint", "k25")
 
 
 def get_config(arg=None):
-  preset = arg or "tiny"
-  if preset not in ("tiny", "small", "joint", "k25"):
-    raise ValueError(f"configs/pretrain.py: unknown preset {preset!r}; choose 'tiny', 'small', 'joint' or 'k25'")
+  preset, _ = common.preset_and_switches(arg, "configs/pretrain.py", PRESETS)
   tiny = preset in ("tiny", "joint")
   joint = preset == "joint"
   k25 = preset == "k25"
@@ -27,7 +26,8 @@ def get_config(arg=None):
 
   # k25 on a pod: one compiled MoE layer body, layers recomputed in the backward, grouped matmuls.
   pod = dict(scan_layers=True, remat_policy="full", moe_impl="ragged_dot") if k25 else {}
-  c.model = k25_model_section("tiny") if joint else model_section(preset, **pod)
+  c.model = common.k25_model_section("tiny") if joint else common.model_section(preset, **pod)
+  c.init = common.init_section(k25=joint)
 
   c.data = ml_collections.ConfigDict(dict(
       source="python_stdlib",      # offline text, see k25jax/data/sources.py
@@ -41,7 +41,7 @@ def get_config(arg=None):
         vision_ratio=0.1,                    # r: vision share of the tokens once vision has started
         vision_schedule="constant",          # constant | ramp (linear from 0 at the start to r at the end)
         vision_start=0.0,                    # fraction of the steps before vision starts (0: early fusion)
-        vision_tasks=visual_synthetic.TASKS,
+        vision_tasks=common.VISUAL_TASKS,
         max_patches=256,                     # the vision tower's patch budget per batch
         vision_eval_batches=2,               # held-out vision-only batches per evaluation
     ))
@@ -66,8 +66,7 @@ def get_config(arg=None):
   ))
 
   # Device counts per axis; -1 takes the devices left over.
-  c.mesh = ml_collections.ConfigDict(dict(
-      data=-1 if tiny else 1, fsdp=1 if tiny else -1, expert=1, sequence=1, tensor=1))
+  c.mesh = common.mesh_section() if tiny else common.mesh_section(data=1, fsdp=-1)
 
   c.train = ml_collections.ConfigDict(dict(
       steps=300 if tiny else 20000,
@@ -87,9 +86,4 @@ def get_config(arg=None):
     c.optimizer.update(name="muonclip", lr=2e-4)
     c.mesh.update(fsdp=-1, expert=64)
     c.train.update(batch=1024, seq_len=4096)
-  if joint:
-    c.train.update(dict(
-        init_from="",                        # a K2.5 stage's workdir (e.g. runs/vit): start from its params
-        init_lm_from="",                     # a text pretrain workdir: start the language model from it
-    ))
   return c

@@ -5,16 +5,18 @@
 built-in SFT warm start (~1 min), then RL in a few minutes. Switches after the preset,
 comma-separated: `toggle` turns Toggle on (`configs/rl.py:tiny,toggle`, or configs/toggle.py).
 
-`get_config("vision")` (`configs/rl.py:vision`): vision RL of the K2.5 model of
-configs/sft.py on image tasks (counting, locating, comparing, reading), the image in the
-prompt and the sandboxed Python tool available, from `warm_start.checkpoint` (default
-runs/sft, the zero-vision SFT). Switch `no_tool` (`configs/rl.py:vision,no_tool`): the
-model must answer from the image alone.
+`get_config("vision")` (`configs/rl.py:vision`, the `rl_vision` stage): vision RL of the
+K2.5 model of configs/sft.py on image tasks (counting, locating, comparing, reading), the
+image in the prompt and the sandboxed Python tool available, from `init.checkpoint`
+(default runs/sft, the zero-vision SFT). Switch `no_tool` (`configs/rl.py:vision,no_tool`):
+the model must answer from the image alone.
+
+Run length: `train.steps` RL iterations, each `rl.prompts_per_iteration` prompts ×
+`rl.num_generations` samples, then `rl.minibatches` updates.
 """
 import ml_collections
 
-from k25jax.stages.sft import TINY_TEXT
-from k25jax.train.config_utils import adamw_section, k25_model_section, model_section
+from configs import common
 
 PRESETS = ("tiny", "vision")
 SWITCHES = ("toggle", "no_tool")
@@ -26,44 +28,38 @@ TINY_MODEL = dict(vocab_size=17, hidden_size=64, intermediate_size=192, moe_inte
 
 
 def get_config(arg=None):
-  parts = (arg or "tiny").split(",")
-  preset, switches = parts[0], set(parts[1:])
-  if preset not in PRESETS:
-    raise ValueError(f"configs/rl.py: unknown preset {preset!r}; choose from {PRESETS}")
-  if switches - set(SWITCHES):
-    raise ValueError(f"configs/rl.py: unknown switches {sorted(switches - set(SWITCHES))}; known: {SWITCHES}")
+  preset, switches = common.preset_and_switches(arg, "configs/rl.py", PRESETS, SWITCHES)
   if preset == "vision":
     return vision_config(switches)
+  if "no_tool" in switches:
+    raise ValueError("configs/rl.py:tiny: the no_tool switch is for the vision preset")
   c = ml_collections.ConfigDict()
   c.stage = "rl"
-  c.model = model_section("tiny", **TINY_MODEL)
+  c.model = common.model_section("tiny", **TINY_MODEL)
+  c.init = common.init_section()       # init.checkpoint: a workdir of the same model; '' = the warm start below
   c.task = ml_collections.ConfigDict(dict(name="addition", train_prompts=1024, eval_prompts=256, seed=0))
 
-  # Built-in SFT on the task's demonstrations when `checkpoint` is empty. Short on purpose:
-  # RL needs a warm start that samples right about 2/3 of the time, not one already solved.
+  # The built-in SFT on the task's demonstrations, when init.checkpoint is empty. Short on
+  # purpose: RL needs a warm start that samples right about 2/3 of the time, not one already solved.
   c.warm_start = ml_collections.ConfigDict(dict(
-      checkpoint="",             # a workdir with checkpoints of the same model: start from its params
       demonstrations=20000, p_scratch=0.5, p_check=0.5,
       steps=250, batch=128, seed=0, pack=False, log_every=50, checkpoint_every=250, router_bias_rate=1e-3,
-      optimizer=adamw_section(3e-3, 50, 100)))
+      optimizer=common.adamw_section(3e-3, 50, 100)))
 
   c.rl = ml_collections.ConfigDict(dict(
-      iterations=150, prompts_per_iteration=32, num_generations=8, minibatches=2,
-      temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=20,
-      eval_every=10, eval_samples=2, log_every=10, checkpoint_every=50, seed=0))
+      prompts_per_iteration=32, num_generations=8, minibatches=2,
+      temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=20, eval_samples=2))
 
-  c.loss = ml_collections.ConfigDict(dict(
-      name="k25",                # k25 | ppo | grpo | cispo
-      alpha=-0.5, beta=0.5, tau=0.01,   # K2.5: band [alpha, beta] on log ratio, squared log-ratio penalty
-      normalize="batch",         # batch | group
-      eps=0.2, eps_high=0.28))   # clip ranges of the ablation losses
+  c.loss = common.policy_loss_section()
 
   c.toggle = ml_collections.ConfigDict(dict(
       enabled="toggle" in switches, m=5, rho=50.0, accuracy_threshold=0.6, budget_samples=8))
 
-  c.optimizer = adamw_section(2e-4, 5, 0)
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, sequence=1, tensor=1))
-  c.train = ml_collections.ConfigDict(dict(router_bias_rate=1e-3))
+  c.optimizer = common.adamw_section(2e-4, 5, 0)
+  c.mesh = common.mesh_section()
+  c.train = ml_collections.ConfigDict(dict(
+      steps=150, log_every=10, eval_every=10, checkpoint_every=50, keep_checkpoints=2, seed=0,
+      router_bias_rate=1e-3))
   return c
 
 
@@ -71,23 +67,22 @@ def vision_config(switches: set) -> ml_collections.ConfigDict:
   if "toggle" in switches:
     raise ValueError("configs/rl.py:vision: the toggle switch is for the text task (Toggle is not wired for images)")
   c = ml_collections.ConfigDict()
-  c.stage = "rl"
-  c.model = k25_model_section("tiny", **TINY_TEXT)
+  c.stage = "rl_vision"
+  c.model = common.k25_model_section("tiny", **common.TINY_CHAT_TEXT)
+  c.init = common.init_section(k25=True)
+  c.init.checkpoint = "runs/sft"       # a K2.5 workdir of the same model: configs/sft.py's
   c.task = ml_collections.ConfigDict(dict(
-      name="image", train_prompts=512, eval_prompts=64, seed=0, image_size=56,
+      train_prompts=512, eval_prompts=64, seed=0, image_size=56,
       kinds="count,locate,compare,read"))   # comma-separated subset of k25jax.data.image_tasks.KINDS
-  c.warm_start = ml_collections.ConfigDict(dict(checkpoint="runs/sft"))   # a K2.5 workdir of the same model
   c.rl = ml_collections.ConfigDict(dict(
-      iterations=30, prompts_per_iteration=8, num_generations=8, minibatches=2,
+      prompts_per_iteration=8, num_generations=8, minibatches=2,
       temperature=1.0, top_k=0, top_p=1.0,
       tool="no_tool" not in switches,      # the sandboxed Python tool (a call without it: an error observation)
-      max_turns=4, max_context=496, turn_tokens=160,
-      eval_every=10, eval_samples=2, log_every=5, checkpoint_every=10, seed=0))
-  c.loss = ml_collections.ConfigDict(dict(name="k25", alpha=-0.5, beta=0.5, tau=0.01, normalize="batch",
-                                          eps=0.2, eps_high=0.28))
-  c.toggle = ml_collections.ConfigDict(dict(enabled=False, m=5, rho=50.0, accuracy_threshold=0.6, budget_samples=8))
-  c.sandbox = ml_collections.ConfigDict(dict(sessions=32, cpu_s=2.0, wall_s=10.0, memory_mb=512, output_chars=120))
-  c.optimizer = adamw_section(2e-4, 5, 0)
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, sequence=1, tensor=1))
-  c.train = ml_collections.ConfigDict(dict(router_bias_rate=1e-3, seed=0))
+      max_turns=4, max_context=496, turn_tokens=160, eval_samples=2))
+  c.loss = common.policy_loss_section()
+  c.sandbox = common.sandbox_section(sessions=32)
+  c.optimizer = common.adamw_section(2e-4, 5, 0)
+  c.mesh = common.mesh_section()
+  c.train = ml_collections.ConfigDict(dict(
+      steps=30, log_every=5, eval_every=10, checkpoint_every=10, keep_checkpoints=2, seed=0, router_bias_rate=1e-3))
   return c

@@ -10,28 +10,20 @@ the prompt, with and without the tool. 30–37 minutes on 2 shared CPU cores (1,
 copying the image name and the tool's output into place is learnt late, around step 700).
 
 Switch `visual` (`configs/sft.py:tiny,visual`): adds visual SFT data (image + question →
-direct answer) for the text+vision comparison. `--config.warm_start.checkpoint=DIR`
-starts from a K2.5 workdir of the same model (e.g. joint pre-training's).
+direct answer) for the text+vision comparison. `--config.init.checkpoint=DIR` starts
+from a K2.5 workdir of the same model (e.g. joint pre-training's).
 """
 import ml_collections
 
-from k25jax.stages.sft import TINY_TEXT
-from k25jax.train.config_utils import adamw_section, k25_model_section
-
-PRESETS = ("tiny",)
-SWITCHES = ("visual",)
+from configs import common
 
 
 def get_config(arg=None):
-  parts = (arg or "tiny").split(",")
-  preset, switches = parts[0], set(parts[1:])
-  if preset not in PRESETS:
-    raise ValueError(f"configs/sft.py: unknown preset {preset!r}; choose from {PRESETS}")
-  if switches - set(SWITCHES):
-    raise ValueError(f"configs/sft.py: unknown switches {sorted(switches - set(SWITCHES))}; known: {SWITCHES}")
+  preset, switches = common.preset_and_switches(arg, "configs/sft.py", ("tiny",), ("visual",))
   c = ml_collections.ConfigDict()
   c.stage = "sft"
-  c.model = k25_model_section("tiny", **TINY_TEXT)
+  c.model = common.k25_model_section(preset, **common.TINY_CHAT_TEXT)
+  c.init = common.init_section(k25=True)
 
   c.data = ml_collections.ConfigDict(dict(
       trajectories=3000, seed=0, image_size=56,
@@ -41,19 +33,16 @@ def get_config(arg=None):
       visual_sft="visual" in switches,     # add image + question → answer examples (text+vision SFT)
       visual_examples=3000))
 
-  # Start from another stage's K2.5 params (a workdir with checkpoints of the same model); '' = fresh init.
-  c.warm_start = ml_collections.ConfigDict(dict(checkpoint=""))
-
   c.train = ml_collections.ConfigDict(dict(
-      steps=1000, batch=16, visual_batch=8, seed=0, log_every=50, checkpoint_every=200,
+      steps=1000, batch=16, visual_batch=8, seed=0, log_every=50, checkpoint_every=200, keep_checkpoints=2,
       router_bias_rate=1e-3, balance_loss_alpha=1e-4, z_loss=0.0))
-  c.optimizer = adamw_section(3e-3, 30, 300)
+  c.optimizer = common.adamw_section(3e-3, 30, 300)
 
-  c.sandbox = ml_collections.ConfigDict(dict(sessions=16, cpu_s=2.0, wall_s=10.0, memory_mb=512, output_chars=120))
+  c.sandbox = common.sandbox_section(sessions=16)
 
   c.eval = ml_collections.ConfigDict(dict(
       tasks=64, seed=12345, max_turns=3, max_context=496, turn_tokens=160,
       settings="text_tool,image_tool,image_no_tool"))
 
-  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, sequence=1, tensor=1))
+  c.mesh = common.mesh_section()
   return c

@@ -16,6 +16,8 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from k25jax.train import config_utils
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<stage>.py[:preset]", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints and TensorBoard logs; default runs/<stage>.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process).")
@@ -36,6 +38,17 @@ def distributed_args() -> dict | None:
   if not (_DISTRIBUTED.value or address or (num or 1) > 1):
     return None
   return dict(coordinator_address=address, num_processes=num, process_id=pid)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with the checkout of the --config file on sys.path first: config
+  files import `configs.common`, wherever the command runs from."""
+  for i, arg in enumerate(argv[1:], start=1):
+    path = arg.split("=", 1)[1] if arg.startswith("--config=") else (
+        argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None)
+    if path:
+      config_utils.put_checkout_on_path(path.split(":", 1)[0])
+  return app.parse_flags_with_usage(argv)
 
 
 class _QuietLibraries(pylogging.Filter):
@@ -67,4 +80,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

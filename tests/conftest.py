@@ -8,7 +8,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import atexit  # noqa: E402
 import shutil  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
+
+# The checkout first on sys.path: config files, and tests, import `configs.common`.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # A persistent compilation cache for this test session only: tests that build their own
 # jitted steps over the same configs (and the subprocesses they start) compile each

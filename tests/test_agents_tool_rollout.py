@@ -118,10 +118,10 @@ def test_sampled_logprobs_match_the_k25_training_path_over_several_turns(pool):
       max_turns=2, max_context=128, turn_tokens=8), media=blocks)
   assert all(TOK.media.pad in t.tokens for t in transcripts)
   assert max(t.turns for t in transcripts) == 2 and sum(t.calls for t in transcripts) >= 2
-  rows = tool_rollout.loss_rows(transcripts, seq_len=128, pad_id=TOK.pad_id)
+  rows = rollout.loss_rows(transcripts, seq_len=128, pad_id=TOK.pad_id)
   pixels, layout = tool_rollout.media_batch(items, cfg, len(items))
   logits, _ = jax.jit(k25.K25(cfg).apply)({"params": params}, jnp.asarray(rows["inputs"]), jnp.asarray(pixels), layout)
-  logp = rollout.token_logprobs(tool_rollout.mask_banned(logits, banned), jnp.asarray(rows["targets"]), 0.8)
+  logp = rollout.token_logprobs(rollout.mask_banned(logits, banned), jnp.asarray(rows["targets"]), 0.8)
   np.testing.assert_allclose(np.where(rows["mask"] > 0, logp, 0.0), rows["old_logp"], atol=2e-5)
   assert rows["mask"].sum() == sum(sum(t.loss_mask) for t in transcripts)
   blind, _ = jax.jit(transformer.Transformer(text).apply)({"params": params["language_model"]},

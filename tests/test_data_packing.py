@@ -1,7 +1,7 @@
-"""SFT packing: every sequence lands whole in one row, as its own segment, nothing lost."""
+"""Packing fixed sequences into rows: every sequence lands whole in one row, as its own segment, nothing lost."""
 import numpy as np
 
-from k25jax.train import sft
+from k25jax.data import packing
 
 
 def _sequences():
@@ -17,7 +17,7 @@ def _sequences():
 
 def test_pack_keeps_every_sequence_as_a_segment():
   tokens, weights, lengths = _sequences()
-  packed = sft.pack(tokens, weights, lengths)
+  packed = packing.pack(tokens, weights, lengths)
   assert len(packed["inputs"]) < len(tokens)
   found = 0
   for r in range(len(packed["inputs"])):
@@ -39,6 +39,6 @@ def test_pack_keeps_every_sequence_as_a_segment():
 
 def test_unshared_rows_hold_one_sequence_each():
   tokens, weights, lengths = _sequences()
-  packed = sft.pack(tokens, weights, lengths, share_rows=False)
+  packed = packing.pack(tokens, weights, lengths, share_rows=False)
   assert len(packed["inputs"]) == len(tokens)
   assert packed["segment_ids"].max() == 1

@@ -208,15 +208,16 @@ def test_ep_train_step_has_all_to_all_and_no_all_gather_of_expert_weights():
   from test_train_step import micro_config
   from k25jax.model import transformer
   from k25jax.stages import pretrain
-  from k25jax.train import config_utils, optimizer
+  from configs import common
+  from k25jax.train import config_utils, optimizer, trainer as trainer_lib
   cfg = micro_config()
-  cfg.model = config_utils.model_section("tiny", **{
+  cfg.model = common.model_section("tiny", **{
       **dataclasses.asdict(config_utils.model_config_from(cfg.model)), **LAYER, "n_shared_experts": 0})
   model = transformer.Transformer(config_utils.model_config_from(cfg.model))
   tx = optimizer.make_optimizer(cfg.optimizer, cfg.train.steps)
   mesh = sharding.make_mesh(dict(data=2, expert=4))
   with jax.set_mesh(mesh):
-    _, state = pretrain.init_state(cfg, model, tx, mesh)
+    state = trainer_lib.state_target(model, tx, mesh)
     batch = {k: jax.ShapeDtypeStruct((8, 16), jnp.float32 if k == "loss_mask" else jnp.int32,
                                      sharding=sharding.batch_sharding(mesh))
              for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}

@@ -32,7 +32,7 @@ def muon_reference(w, grads):
 
 
 def run_ours(name, w, grads):
-  """STEPS updates of muonclip on {name: w}; `name` is the param path the routing reads."""
+  """STEPS updates of muonclip on {name: w}; `name` is the param path the partition reads."""
   params = {}
   node = params
   for key in name[:-1]:

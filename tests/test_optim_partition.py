@@ -9,8 +9,8 @@ import optax
 import pytest
 
 from k25jax.model import config, transformer
-from k25jax.optim import muonclip, routing
-from k25jax.optim.routing import ADAMW, FROZEN, MUON
+from k25jax.optim import muonclip, partition
+from k25jax.optim.partition import ADAMW, FROZEN, MUON
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
              num_hidden_layers=2, num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2,
@@ -18,8 +18,8 @@ SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermed
 
 
 def table(params) -> dict[str, str]:
-  flat = jax.tree_util.tree_flatten_with_path(routing.labels(params))[0]
-  return {"/".join(routing.names(path)): label for path, label in flat}
+  flat = jax.tree_util.tree_flatten_with_path(partition.labels(params))[0]
+  return {"/".join(partition.names(path)): label for path, label in flat}
 
 
 def expected_table(cfg) -> dict[str, str]:
@@ -46,7 +46,7 @@ def expected_table(cfg) -> dict[str, str]:
 
 @pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": None, "attention_bias": True}],
                          ids=["tiny", "no_q_lora+bias"])
-def test_routing_of_the_tiny_model(overrides):
+def test_partition_of_the_tiny_model(overrides):
   cfg = config.preset("tiny", **overrides)
   assert table(transformer.abstract_params(cfg)) == expected_table(cfg)
 
@@ -56,10 +56,10 @@ def test_muon_matrix_shapes_of_the_tiny_model():
   cfg = config.preset("tiny")
   shapes = {}
   for path, x in jax.tree_util.tree_flatten_with_path(transformer.abstract_params(cfg))[0]:
-    if routing.label(path, x) == MUON:
-      axes = routing.matrix_axes(path, x.shape)
+    if partition.label(path, x) == MUON:
+      axes = partition.matrix_axes(path, x.shape)
       size = lambda group: math.prod(x.shape[a] for a in group)
-      shapes["/".join(routing.names(path))] = (size(axes.batch), size(axes.rows), size(axes.cols))
+      shapes["/".join(partition.names(path))] = (size(axes.batch), size(axes.rows), size(axes.cols))
   d, h, e = cfg.hidden_size, cfg.num_attention_heads, cfg.n_routed_experts
   assert shapes["layers_1/self_attn/q_b_proj/kernel"] == (1, cfg.q_lora_rank, h * cfg.qk_head_dim)
   assert shapes["layers_1/self_attn/kv_b_proj/kernel"] == (
@@ -84,7 +84,7 @@ def test_router_bias_gets_no_update_and_norms_no_decay():
   grads["layers_1"]["mlp"]["gate"]["e_score_correction_bias"] = jnp.ones((cfg.n_routed_experts,))
   updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
   for path, u in jax.tree_util.tree_flatten_with_path(updates)[0]:
-    keys = routing.names(path)
+    keys = partition.names(path)
     p = params
     for k in keys:
       p = p[k]
@@ -98,7 +98,7 @@ def test_unknown_tensor_layout_is_a_clear_error():
   path = jax.tree_util.tree_flatten_with_path({"vision": {"patch_embed": {"kernel": jnp.zeros((2, 3, 4, 5))}}})
   (leaf_path, leaf), = path[0]
   with pytest.raises(ValueError, match="vision/patch_embed/kernel"):
-    routing.matrix_axes(leaf_path, leaf.shape)
+    partition.matrix_axes(leaf_path, leaf.shape)
 
 
 def test_muon_updates_have_adamw_like_rms():

@@ -7,7 +7,7 @@ import pytest
 
 from k25jax.model import config, transformer
 from k25jax.model.attention import MLA
-from k25jax.optim import muonclip, routing
+from k25jax.optim import muonclip, partition
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
              num_hidden_layers=2, num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2,
@@ -19,7 +19,7 @@ def random_params(cfg, seed=0):
   """Norm weights 1, every other tensor N(0, 0.3²): large enough for logits of order 10."""
   rng = np.random.default_rng(seed)
   shapes = nn.meta.unbox(transformer.abstract_params(cfg))
-  fill = lambda path, s: (jnp.ones(s.shape) if routing.names(path)[-1] == "weight"
+  fill = lambda path, s: (jnp.ones(s.shape) if partition.names(path)[-1] == "weight"
                           else jnp.asarray(0.3 * rng.normal(size=s.shape), jnp.float32))
   return jax.tree_util.tree_map_with_path(fill, shapes)
 
@@ -88,8 +88,8 @@ def test_only_q_and_k_nope_of_clipped_heads_change(clipped):
   # Every other tensor (the shared rope key in kv_a_proj_with_mqa included) keeps its bits.
   changed = {q_name, "kv_b_proj"}
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(old)[0], jax.tree.leaves(new)):
-    if not changed & set(routing.names(path)):
-      np.testing.assert_array_equal(a, b, err_msg="/".join(routing.names(path)))
+    if not changed & set(partition.names(path)):
+      np.testing.assert_array_equal(a, b, err_msg="/".join(partition.names(path)))
 
 
 def test_nothing_changes_below_tau(clipped):

@@ -7,7 +7,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from k25jax.model import config, transformer
-from k25jax.optim import muonclip, routing
+from k25jax.optim import muonclip, partition
 from k25jax.train import sharding
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -22,7 +22,7 @@ def inputs(cfg):
   shapes = nn.meta.unbox(transformer.abstract_params(cfg))
   normal = lambda s, std: np.asarray(std * rng.normal(size=s.shape), np.float32)
   params = jax.tree_util.tree_map_with_path(
-      lambda path, s: np.ones(s.shape, np.float32) if routing.names(path)[-1] == "weight" else normal(s, 0.02),
+      lambda path, s: np.ones(s.shape, np.float32) if partition.names(path)[-1] == "weight" else normal(s, 0.02),
       shapes)
   grads = [jax.tree.map(lambda s: normal(s, 1.0), shapes) for _ in range(STEPS)]
   max_logits = [np.asarray(rng.uniform(5, 20, (cfg.num_hidden_layers, cfg.num_attention_heads)), np.float32)

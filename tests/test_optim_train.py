@@ -4,7 +4,7 @@ import numpy as np
 
 from k25jax.model import transformer
 from k25jax.stages import pretrain
-from k25jax.train import config_utils, optimizer, sharding
+from k25jax.train import config_utils, optimizer, sharding, trainer as trainer_lib
 from test_train_step import micro_config, random_batch
 
 TAU = 1e-3   # below every head's logit at initialisation: every head is clipped
@@ -18,7 +18,7 @@ def test_muonclip_step_clips_every_head_and_logs_it():
   tx = optimizer.make_optimizer(config.optimizer, config.train.steps)
   mesh = sharding.make_mesh(dict(data=2, fsdp=2, tensor=2))
   with jax.set_mesh(mesh):
-    create, _ = pretrain.init_state(config, model, tx, mesh)
+    create = lambda: trainer_lib.new_state(model, tx, mesh, config.train.seed)
     step = pretrain.make_step(config, model, tx)
     state = create()
     history = []

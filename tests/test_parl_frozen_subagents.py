@@ -20,7 +20,7 @@ def _config():
 
 
 def _save(path, seed):
-  """A checkpoint of a fresh state (as sft.train writes it) under path/checkpoints; returns its params."""
+  """A checkpoint of a fresh state (as the warm start writes it) under path/checkpoints; returns its params."""
   config = _config()
   params = transformer.init_params(config_utils.model_config_from(config.model), jax.random.PRNGKey(seed))
   saver = checkpoint.Checkpoints(path, keep=1)

@@ -6,6 +6,7 @@ import pytest
 from config_files import load_config
 from k25jax.agents import dsl, swarm, widesearch
 from k25jax.model import transformer
+from k25jax.rl import rollout
 from k25jax.stages import parl
 from k25jax.train import config_utils
 
@@ -51,8 +52,7 @@ def test_sixteen_subagents_cost_about_one_device_call_per_stage(setup):
 def test_only_orchestrator_generated_tokens_carry_loss():
   tasks = widesearch.sample_tasks(4, seed=1, n_range=(4, 6))
   results = [widesearch.run_episode(t, widesearch.ScriptedOrchestrator(2)) for t in tasks]
-  advantages = np.array([0.5, -0.5, 1.0, 0.0], np.float32)
-  batch = parl.orchestrator_batch(results, advantages, seq_len=96)
+  batch = rollout.loss_rows([r.orchestrator for r in results], seq_len=96, pad_id=dsl.PAD_ID)   # as parl collects them
   for i, r in enumerate(results):
     t = r.orchestrator
     n = len(t.tokens)

@@ -17,7 +17,7 @@ def _config():
 
 def test_the_key_follows_the_warm_start_not_the_rl_settings():
   rl_changed, warm_changed = _config(), _config()
-  rl_changed.loss.name, rl_changed.toggle.enabled, rl_changed.rl.iterations = "cispo", True, 7
+  rl_changed.loss.name, rl_changed.toggle.enabled, rl_changed.train.steps = "cispo", True, 7
   warm_changed.warm_start.seed = 1
   assert rl.warm_start_key(rl_changed) == rl.warm_start_key(_config()) != rl.warm_start_key(warm_changed)
 
@@ -32,7 +32,7 @@ def test_the_warm_start_is_trained_once_and_then_reused(tmp_path):
   assert rl.shared_warm_start(other, root) == first == os.path.join(root, rl.warm_start_key(other), "warm_start")
   assert os.listdir(saved) == ["3"] and os.path.getmtime(saved) == stamp      # not trained again
   given = _config()
-  given.warm_start.checkpoint = "/somewhere/warm_start"
+  given.init.checkpoint = "/somewhere/warm_start"
   assert rl.shared_warm_start(given, root) == "/somewhere/warm_start"
 
   with concurrent.futures.ThreadPoolExecutor(1) as pool:

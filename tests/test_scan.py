@@ -10,7 +10,7 @@ from transformers import DeepseekV3ForCausalLM
 
 from k25jax.convert import hf, scan
 from k25jax.model import attention, config, transformer
-from k25jax.optim import muonclip, routing
+from k25jax.optim import muonclip, partition
 from k25jax.train import checkpoint, state as state_lib
 
 SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
@@ -62,7 +62,7 @@ def test_checkpoint_saved_scanned_loads_per_layer_and_exports_to_hf(models, tmp_
   saver.close()
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), scanned)
-  restored = checkpoint.Checkpoints(str(tmp_path / "run"), keep=1).restore_params(target)
+  restored = checkpoint.restore_params(str(tmp_path / "run"), target)
   per_layer = traverse_util.flatten_dict(scan.unstack_layers(cfg, restored))
   for key, value in traverse_util.flatten_dict(models["params"]).items():   # the per-layer model's params
     np.testing.assert_array_equal(per_layer[key], value, err_msg="/".join(key))
@@ -84,17 +84,17 @@ def test_checkpoint_saved_scanned_loads_per_layer_and_exports_to_hf(models, tmp_
 def test_optimizer_routes_stacked_leaves_per_layer():
   boxed = transformer.abstract_params(config.preset("tiny", **SMALL, scan_layers=True))
   params = jax.tree.map(lambda b: b.value, boxed, is_leaf=lambda x: hasattr(x, "names"))
-  labels = traverse_util.flatten_dict(routing.labels(params))
+  labels = traverse_util.flatten_dict(partition.labels(params))
   stacked = transformer.SCANNED
-  assert labels[(stacked, "input_layernorm", "weight")] == routing.ADAMW          # [layers, d]: a vector
-  assert labels[(stacked, "mlp", "gate", "e_score_correction_bias")] == routing.FROZEN
-  assert labels[(stacked, "mlp", "gate", "kernel")] == routing.ADAMW
-  assert labels[(stacked, "self_attn", "q_b_proj", "kernel")] == routing.MUON
-  assert not traverse_util.flatten_dict(routing.matrix_mask(params))[(stacked, "input_layernorm", "weight")]
+  assert labels[(stacked, "input_layernorm", "weight")] == partition.ADAMW          # [layers, d]: a vector
+  assert labels[(stacked, "mlp", "gate", "e_score_correction_bias")] == partition.FROZEN
+  assert labels[(stacked, "mlp", "gate", "kernel")] == partition.ADAMW
+  assert labels[(stacked, "self_attn", "q_b_proj", "kernel")] == partition.MUON
+  assert not traverse_util.flatten_dict(partition.matrix_mask(params))[(stacked, "input_layernorm", "weight")]
   path = [jax.tree_util.DictKey(k) for k in (stacked, "mlp", "experts", "gate_proj")]
-  assert routing.matrix_axes(path, (2, 4, 32, 16)) == routing.MatrixAxes((0, 1), (2,), (3,))
+  assert partition.matrix_axes(path, (2, 4, 32, 16)) == partition.MatrixAxes((0, 1), (2,), (3,))
   path = [jax.tree_util.DictKey(k) for k in (stacked, "self_attn", "o_proj", "kernel")]
-  assert routing.matrix_axes(path, (2, 2, 8, 32)) == routing.MatrixAxes((0,), (1, 2), (3,))
+  assert partition.matrix_axes(path, (2, 2, 8, 32)) == partition.MatrixAxes((0,), (1, 2), (3,))
 
 
 def test_muonclip_qk_clip_and_router_bias_update_each_layer_of_the_stack():

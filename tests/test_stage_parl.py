@@ -13,8 +13,8 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 def test_main_command_runs_parl_and_prints_the_summary(tmp_path):
   overrides = ["--config.warm_start.steps=20", "--config.warm_start.demonstrations=300",
                "--config.warm_start.batch=32", "--config.warm_start.optimizer.warmup_steps=5",
-               "--config.warm_start.optimizer.decay_steps=5", "--config.rl.iterations=2",
-               "--config.rl.prompts_per_iteration=4", "--config.rl.num_generations=2", "--config.rl.eval_every=2",
+               "--config.warm_start.optimizer.decay_steps=5", "--config.train.steps=2",
+               "--config.rl.prompts_per_iteration=4", "--config.rl.num_generations=2", "--config.train.eval_every=2",
                "--config.parl.eval_tasks=8", "--config.parl.anneal_steps=2", "--config.optimizer.warmup_steps=1"]
   env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-m", "k25jax.main", "--config=configs/parl.py", f"--workdir={tmp_path}",

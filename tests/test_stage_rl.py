@@ -1,6 +1,5 @@
 """The RL stage: rollout packing, π_old consistency, config validation, and accuracy rising end to end."""
 from config_files import load_config
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -9,20 +8,22 @@ import pytest
 from flax import traverse_util
 
 from k25jax.model import transformer
-from k25jax.rl import rollout, sampler, tasks
+from k25jax.rl import policy_loss, rollout, sampler, tasks
 from k25jax.stages import rl
-from k25jax.train import checkpoint, config_utils, sharding
+from k25jax.train import config_utils, sharding, trainer as trainer_lib
 
 
-def test_pack_aligns_targets_mask_and_old_logprobs():
+def test_rows_align_targets_mask_and_old_logprobs():
   prompts = np.array([[1, 5, 6], [1, 7, 0]])
-  batch = rollout.pack(prompts, np.array([3, 2]), np.array([[8, 2, 0], [9, 9, 2]]), np.array([2, 3]),
-                       np.array([[-0.1, -0.2, 0.0], [-0.3, -0.4, -0.5]]), pad_id=0)
+  responses = rollout.responses(prompts, np.array([3, 2]), np.array([[8, 2, 0], [9, 9, 2]]), np.array([2, 3]),
+                                np.array([[-0.1, -0.2, 0.0], [-0.3, -0.4, -0.5]]))
+  batch = rollout.loss_rows(responses, seq_len=5, pad_id=0)
   np.testing.assert_array_equal(batch["inputs"], [[1, 5, 6, 8, 2], [1, 7, 9, 9, 2]])
   np.testing.assert_array_equal(batch["targets"], [[5, 6, 8, 2, 0], [7, 9, 9, 2, 0]])
   np.testing.assert_array_equal(batch["mask"], [[0, 0, 1, 1, 0], [0, 1, 1, 1, 0]])
   np.testing.assert_allclose(batch["old_logp"], [[0, 0, -0.1, -0.2, 0], [0, -0.3, -0.4, -0.5, 0]])
-  np.testing.assert_array_equal(batch["segment_ids"], [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+  # the last token of each 5-token rollout is a target only: its input position is padding
+  np.testing.assert_array_equal(batch["segment_ids"], [[1, 1, 1, 1, 0], [1, 1, 1, 1, 0]])
 
 
 def test_training_path_recomputes_the_samplers_logprobs():
@@ -33,7 +34,8 @@ def test_training_path_recomputes_the_samplers_logprobs():
   prompts = tasks.addition_prompts(6, seed=0)["tokens"]
   sampling = sampler.SamplingConfig(max_new_tokens=12, temperature=0.7, stop_tokens=(tasks.EOS_ID,))
   out = jax.device_get(sampler.generate(cfg, params, prompts, np.full(6, 7), jax.random.PRNGKey(1), sampling))
-  batch = rollout.pack(prompts, np.full(6, 7), out["tokens"], out["lengths"], out["logprobs"], tasks.PAD_ID)
+  responses = rollout.responses(prompts, np.full(6, 7), out["tokens"], out["lengths"], out["logprobs"])
+  batch = rollout.loss_rows(responses, prompts.shape[1] + out["tokens"].shape[1] - 1, tasks.PAD_ID)
   logits, _ = transformer.Transformer(cfg).apply({"params": params}, jnp.asarray(batch["inputs"]))
   logp = rollout.token_logprobs(logits, jnp.asarray(batch["targets"]), 0.7)
   np.testing.assert_allclose(np.asarray(logp) * batch["mask"], batch["old_logp"], atol=2e-5)
@@ -48,14 +50,14 @@ def test_single_sample_groups_are_refused():
 
 def test_unknown_loss_is_refused():
   with pytest.raises(ValueError, match="loss.name"):
-    rl.policy_loss(ml_collections.ConfigDict({"name": "reinforce"}), 8)
+    policy_loss.policy_loss(ml_collections.ConfigDict({"name": "reinforce"}), 8)
 
 
 @pytest.mark.slow
 def test_rl_raises_held_out_accuracy(tmp_path):
   config = load_config("configs/rl.py")
-  config.rl.iterations = 50
-  config.rl.eval_every = 50
+  config.train.steps = 50
+  config.train.eval_every = 50
   state, history = rl.run(config, str(tmp_path))
   evals = [h for h in history if h["split"] == "eval"]
   start, end = evals[0]["accuracy"], evals[-1]["accuracy"]
@@ -63,11 +65,8 @@ def test_rl_raises_held_out_accuracy(tmp_path):
   assert end > start + 0.06
 
   # Another stage can start from this run's params.
-  cfg = config_utils.model_config_from(config.model)
-  boxed = transformer.abstract_params(cfg)
-  mesh = sharding.make_mesh(config.mesh.to_dict())
-  target = checkpoint.abstract_target(nn.meta.unbox(boxed), sharding.logical_to_sharding(boxed, mesh))
-  restored = checkpoint.Checkpoints(str(tmp_path), keep=1).restore_params(target)
+  model = transformer.Transformer(config_utils.model_config_from(config.model))
+  restored = trainer_lib.restore_params(model, str(tmp_path), sharding.make_mesh(config.mesh.to_dict()))
   for key, value in traverse_util.flatten_dict(restored).items():
     np.testing.assert_array_equal(value, traverse_util.flatten_dict(state.params)[key])
 
@@ -78,14 +77,15 @@ def test_toggle_run_fixes_its_budgets_once_and_resumes_with_them(tmp_path):
   config.warm_start.update(steps=60, demonstrations=2000)
   config.warm_start.optimizer.update(warmup_steps=10, decay_steps=20)
   config.task.train_prompts = 64
-  config.rl.update(iterations=3, prompts_per_iteration=8, eval_every=3, checkpoint_every=2)
+  config.rl.prompts_per_iteration = 8
+  config.train.update(steps=3, eval_every=3, checkpoint_every=2)
   config.toggle.m = 1
   _, history = rl.run(config, str(tmp_path))
   budgets = np.load(tmp_path / "toggle_budgets.npy")
   assert budgets.shape == (64,) and np.all(budgets > 0)
   phases = [h["toggle_phase"] for h in history if h["split"] == "train"]
   assert phases == [0, 1, 0]
-  config.rl.iterations = 4                     # resume from iteration 3: same budgets, not re-estimated
+  config.train.steps = 4                       # resume from iteration 3: same budgets, not re-estimated
   np.save(tmp_path / "toggle_budgets.npy", budgets + 1000)
   _, resumed = rl.run(config, str(tmp_path))
   assert [h["iteration"] for h in resumed if h["split"] == "train"] == [4]

@@ -1,4 +1,4 @@
-"""Vision RL through the RL stage: image prompts, tool rollouts, the K2.5 loss with media."""
+"""The rl_vision stage: image prompts, tool rollouts, the K2.5 loss with media."""
 import jax
 import numpy as np
 import pytest
@@ -6,8 +6,8 @@ from config_files import load_config
 
 from k25jax.data import chat
 from k25jax.model import k25
-from k25jax.stages import rl, rl_vision, sft
-from k25jax.train import checkpoint
+from k25jax.stages import rl_vision
+from k25jax.train import checkpoint, config_utils
 
 
 def _small(config):
@@ -15,8 +15,9 @@ def _small(config):
                            intermediate_size=128, num_attention_heads=4, max_position_embeddings=256)
   config.model.vision.num_hidden_layers = 1
   config.task.update(train_prompts=16, eval_prompts=4)
-  config.rl.update(iterations=2, prompts_per_iteration=2, num_generations=4, minibatches=1, max_turns=1,
-                   max_context=192, turn_tokens=16, eval_every=2, eval_samples=1, log_every=1, checkpoint_every=1)
+  config.rl.update(prompts_per_iteration=2, num_generations=4, minibatches=1, max_turns=1, max_context=192,
+                   turn_tokens=16, eval_samples=1)
+  config.train.update(steps=2, eval_every=2, log_every=1, checkpoint_every=1)
   config.optimizer.update(warmup_steps=1)
   config.sandbox.sessions = 8
   return config
@@ -26,10 +27,11 @@ def test_vision_rl_trains_on_image_prompts(tmp_path):
   config = _small(load_config("configs/rl.py", "vision"))
   start = tmp_path / "start"
   saver = checkpoint.Checkpoints(str(start), keep=1)     # a K2.5 workdir: random params
-  saver.save(0, {"params": k25.init_params(sft.model_config(config, chat.ChatTokenizer()), jax.random.PRNGKey(0))})
+  cfg = config_utils.k25_config_from(config.model, chat.ChatTokenizer())
+  saver.save(0, {"params": k25.init_params(cfg, jax.random.PRNGKey(0))})
   saver.close()
-  config.warm_start.checkpoint = str(start)
-  state, history = rl.run(config, str(tmp_path / "run"))
+  config.init.checkpoint = str(start)
+  state, history = rl_vision.run(config, str(tmp_path / "run"))
   train = [h for h in history if h["split"] == "train"]
   assert [h["iteration"] for h in train] == [1, 2] and int(state.step) == 2
   assert all(np.isfinite(h["loss"]) and h["generated_tokens"] > 0 for h in train)
@@ -40,8 +42,8 @@ def test_vision_rl_trains_on_image_prompts(tmp_path):
 
 def test_vision_rl_needs_a_start_and_refuses_toggle():
   config = load_config("configs/rl.py", "vision")
-  config.warm_start.checkpoint = ""
-  with pytest.raises(ValueError, match="warm_start.checkpoint"):
+  config.init.checkpoint = ""
+  with pytest.raises(ValueError, match="init.checkpoint"):
     rl_vision.check(config)
   with pytest.raises(ValueError, match="toggle"):
     load_config("configs/rl.py", "vision,toggle")

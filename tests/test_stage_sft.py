@@ -7,6 +7,7 @@ from config_files import load_config
 from k25jax.data import chat, image_tasks, zero_vision
 from k25jax.model import media
 from k25jax.stages import sft
+from k25jax.train import config_utils
 
 
 def _small(config):
@@ -25,7 +26,7 @@ def test_visual_rows_carry_their_images_in_placeholder_order():
   config = _small(load_config("configs/sft.py", "tiny,visual"))
   config.train.batch = 2
   tok = chat.ChatTokenizer()
-  model_cfg = sft.model_config(config, tok)
+  model_cfg = config_utils.k25_config_from(config.model, tok)
   data, items = sft.visual_examples(config, tok)
   learned = [tok.decode(t[m == 1]) for t, m in zip(data["tokens"], data["loss_mask"])]
   assert all(text.endswith("<|end|>") and "<|media_pad|>" not in text for text in learned)

@@ -12,7 +12,7 @@ import pytest
 from k25jax.data import tokenizer
 from k25jax.model import transformer
 from k25jax.stages import pretrain
-from k25jax.train import checkpoint, config_utils, optimizer, sharding
+from k25jax.train import checkpoint, config_utils, optimizer, sharding, trainer as trainer_lib
 from test_train_step import micro_config
 
 STEPS, EVERY = 60, 20
@@ -75,8 +75,7 @@ def test_corrupt_latest_checkpoint_falls_back(full_run, tmp_path, caplog):
   data, _ = pretrain.datasets(config, tokenizer.ByteTokenizer())
   ckpt = checkpoint.Checkpoints(corrupt_dir, keep=5)
   with jax.set_mesh(mesh), caplog.at_level(logging.WARNING):
-    _, target = pretrain.init_state(config, model, tx, mesh)
-    restored = ckpt.restore_latest(target, data)
+    restored = ckpt.restore_latest(trainer_lib.state_target(model, tx, mesh), data)
   ckpt.close()
   assert int(restored.step) == STEPS - EVERY
   assert any(f"checkpoint {STEPS}" in r.getMessage() and "falling back" in r.getMessage()

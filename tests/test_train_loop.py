@@ -25,7 +25,7 @@ def test_schedule_of_logs_evals_saves_and_skip_warning(tmp_path, caplog):
   saved, writer = [], loop.MetricWriter(str(tmp_path))
   with caplog.at_level(logging.INFO):
     state, history = loop.train(
-        state, train_step=fake_step(nan_at=5), next_batch=lambda: 4.0, total_steps=10, tokens_per_step=4,
+        state, train_step=fake_step(nan_at=5), batch_at=lambda step: 4.0, total_steps=10, tokens_per_step=4,
         log_every=4, eval_every=5, checkpoint_every=3,
         evaluate_fn=lambda s: {"loss": float(s.step), "tokens": 1.0},
         save_fn=lambda n, s: saved.append((n, int(s.step))), writer=writer)

@@ -15,7 +15,7 @@ from jax.experimental import multihost_utils
 
 from k25jax.model import transformer
 from k25jax.stages import pretrain
-from k25jax.train import config_utils, optimizer, sharding
+from k25jax.train import config_utils, optimizer, sharding, trainer as trainer_lib
 from test_train_step import micro_config, random_batch
 
 MESH = dict(data=2, fsdp=2)
@@ -30,7 +30,7 @@ def train(devices):
   mesh = sharding.make_mesh(MESH, devices=devices)
   losses = []
   with jax.set_mesh(mesh):
-    create, _ = pretrain.init_state(config, model, tx, mesh)
+    create = lambda: trainer_lib.new_state(model, tx, mesh, config.train.seed)
     step = pretrain.make_step(config, model, tx)
     state = create()
     for i in range(STEPS):

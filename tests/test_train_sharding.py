@@ -6,7 +6,7 @@ from jax.sharding import PartitionSpec as P
 
 from k25jax.model import transformer
 from k25jax.stages import pretrain
-from k25jax.train import config_utils, optimizer, sharding
+from k25jax.train import config_utils, optimizer, sharding, trainer as trainer_lib
 from test_train_step import micro_config, random_batch
 
 STEPS = 2
@@ -19,7 +19,7 @@ def train(mesh_sizes, n_devices):
   mesh = sharding.make_mesh(mesh_sizes, devices=jax.devices()[:n_devices])
   losses = []
   with jax.set_mesh(mesh):
-    create, _ = pretrain.init_state(config, model, tx, mesh)
+    create = lambda: trainer_lib.new_state(model, tx, mesh, config.train.seed)
     step = pretrain.make_step(config, model, tx)
     state = create()
     for i in range(STEPS):

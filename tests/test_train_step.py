@@ -1,5 +1,4 @@
 """The jitted train step: non-finite guard, router-bias update, optimizer masking, schedule."""
-import importlib.util
 import os
 
 import jax
@@ -8,8 +7,9 @@ import numpy as np
 import pytest
 
 from k25jax.model import moe, transformer
+from configs import common
 from k25jax.stages import pretrain
-from k25jax.train import config_utils, optimizer, sharding
+from k25jax.train import config_utils, optimizer, sharding, trainer as trainer_lib
 
 MICRO = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
              num_hidden_layers=2, num_attention_heads=2, n_routed_experts=4, num_experts_per_tok=2,
@@ -17,16 +17,12 @@ MICRO = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermed
 
 
 def load_pretrain_config(preset):
-  spec = importlib.util.spec_from_file_location(
-      "pretrain_config", os.path.join(os.path.dirname(__file__), "..", "configs", "pretrain.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(preset)
+  return config_utils.load_config_file(os.path.join(os.path.dirname(__file__), "..", "configs", "pretrain.py"), preset)
 
 
 def micro_config():
   config = load_pretrain_config("tiny")
-  config.model = config_utils.model_section("tiny", **MICRO)
+  config.model = common.model_section("tiny", **MICRO)
   config.train.update(steps=10, batch=8, seq_len=16, router_bias_rate=0.01)
   config.optimizer.update(warmup_steps=1, decay_steps=2)
   return config
@@ -47,7 +43,7 @@ def setup():
   tx = optimizer.make_optimizer(config.optimizer, config.train.steps)
   mesh = sharding.make_mesh(dict(data=1), devices=jax.devices()[:1])
   with jax.set_mesh(mesh):
-    create, _ = pretrain.init_state(config, model, tx, mesh)
+    create = lambda: trainer_lib.new_state(model, tx, mesh, config.train.seed)
     step = pretrain.make_step(config, model, tx)
   return config, model, mesh, create, step
 

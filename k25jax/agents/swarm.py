@@ -8,10 +8,10 @@ scheduler flushes: all waiting contexts of one role are decoded in ONE batched s
 call (sub-agents share the frozen params, the orchestrator uses the trainable ones), so
 16 sub-agents cost about as many device calls as one agent.
 
-Batches are padded to a few bucket shapes (rows to a power of two, context length to a
-multiple of 16; a lone agent is decoded as one row) so the sampler compiles once per bucket, not once per tick. A context
-too long for the model gets an empty turn (the environment treats it as truncated) and
-is counted in `overflows`.
+Batches are padded to a few bucket shapes (`k25jax.rl.decode`: rows to a power of two,
+context length to a multiple of 16; a lone agent is decoded as one row) so the sampler
+compiles once per bucket, not once per tick. A context too long for the model gets an
+empty turn (the environment treats it as truncated) and is counted in `overflows`.
 """
 from __future__ import annotations
 
@@ -22,11 +22,10 @@ import dataclasses
 from typing import Callable, Mapping, Sequence
 
 import jax
-import numpy as np
 
 from k25jax.agents import widesearch
 from k25jax.model.config import ModelConfig
-from k25jax.rl import sampler
+from k25jax.rl import decode, sampler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +37,7 @@ class Policy:
   sampling: sampler.SamplingConfig
 
 
-def _bucket_rows(n: int) -> int:
-  return 1 << (n - 1).bit_length()
-
-
-def _bucket_length(n: int, multiple: int = 16) -> int:
-  return -(-n // multiple) * multiple
+CONTEXT_MULTIPLE = 16   # contexts are padded to a multiple of this many tokens (`decode.decode`)
 
 
 class Swarm:
@@ -85,27 +79,15 @@ class Swarm:
     if callable(policy):
       turns = [list(policy(c)) for c in contexts]
       return [(t, [0.0] * len(t)) for t in turns]
-    new = policy.sampling.max_new_tokens
-    limit = policy.cfg.max_position_embeddings - new
+    limit = policy.cfg.max_position_embeddings - policy.sampling.max_new_tokens
     fits = [len(c) <= limit for c in contexts]
     self.overflows += fits.count(False)
-    rows = [c if ok else c[:1] for c, ok in zip(contexts, fits)]
-    width = min(_bucket_length(max(len(c) for c in rows)), limit)
-    batch = _bucket_rows(len(rows))
-    prompts = np.full((batch, width), policy.sampling.pad_id, np.int32)
-    lengths = np.ones(batch, np.int32)
-    for i, c in enumerate(rows):
-      prompts[i, :len(c)] = c
-      lengths[i] = len(c)
     self.rng, key = jax.random.split(self.rng)
-    out = jax.device_get(sampler.generate(policy.cfg, policy.params, prompts, lengths, key, policy.sampling))
+    out = decode.decode(policy.cfg, policy.params, [c if ok else c[:1] for c, ok in zip(contexts, fits)], key,
+                        policy.sampling, width_multiple=CONTEXT_MULTIPLE)
     self.device_calls[role] += 1
-    self.decoded_rows[role] += len(rows)
-    results = []
-    for i, ok in enumerate(fits):
-      n = int(out["lengths"][i]) if ok else 0
-      results.append((out["tokens"][i, :n].tolist(), out["logprobs"][i, :n].tolist()))
-    return results
+    self.decoded_rows[role] += len(contexts)
+    return [turn if ok else ([], []) for turn, ok in zip(decode.turns(out), fits)]
 
   def _flush(self) -> None:
     pending, self._pending = self._pending, []

@@ -28,11 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k25jax.agents import sandbox
 from k25jax.data import chat, image_tasks
 from k25jax.data import vision as vision_data
 from k25jax.model import k25, media as media_lib, vision
 from k25jax.model.config import K25Config, ModelConfig
-from k25jax.rl import sampler
+from k25jax.rl import decode, sampler
 
 FINISHES = ("answer", "truncated", "turn_limit", "length_limit")
 
@@ -52,7 +53,7 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass
-class Transcript:
+class ToolEpisode:
   """One episode: its tokens, the loss mask (1 on generated tokens) and their sampling
   log-probs, the answer, and the tool calls it made."""
 
@@ -77,13 +78,8 @@ Decoder = Callable[[Sequence[Sequence[int]], Sequence[int]], list[tuple[list[int
 
 def banned_tokens(tok: chat.ChatTokenizer) -> tuple[int, ...]:
   """Tokens the model may never write: the media tokens (a placeholder it wrote would take an
-  image's features). Sampling drops them, and so must the loss's log π (`mask_banned`)."""
+  image's features). Sampling drops them, and so must the loss's log π (`rollout.mask_banned`)."""
   return tuple(tok.media or ())
-
-
-def mask_banned(logits: jax.Array, banned: Sequence[int]) -> jax.Array:
-  """logits with the `banned` ids at −inf: the distribution the sampler draws from."""
-  return logits.at[..., jnp.asarray(banned, jnp.int32)].set(-jnp.inf) if banned else logits
 
 
 def prompt(tok: chat.ChatTokenizer, question: str, media: Sequence[int] = ()) -> list[int]:
@@ -92,27 +88,15 @@ def prompt(tok: chat.ChatTokenizer, question: str, media: Sequence[int] = ()) ->
   return tokens + [tok.assistant_id]
 
 
-def observation(result, max_chars: int) -> str:
-  """A tool result as the text the model reads: stdout (and the last expression's value,
-  if any), or `Error: ...`; cut to `max_chars`."""
-  if result.ok:
-    text = result.stdout.rstrip("\n")
-    if result.value is not None:
-      text = f"{text}\n{result.value}" if text else str(result.value)
-  else:
-    text = f"Error: {result.error}"
-  return text if len(text) <= max_chars else text[:max_chars - 3] + "..."
-
-
-def _append(t: Transcript, tokens: Sequence[int], mask: float, logprobs: Sequence[float] | None = None) -> None:
+def _append(t: ToolEpisode, tokens: Sequence[int], mask: float, logprobs: Sequence[float] | None = None) -> None:
   t.tokens += list(tokens)
   t.loss_mask += [mask] * len(tokens)
   t.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
 
 
 async def _play(decode: Decoder, tok: chat.ChatTokenizer, tasks: Sequence[image_tasks.ImageTask],
-                prompts: Sequence[Sequence[int]], pool, config: RolloutConfig) -> list[Transcript]:
-  transcripts = [Transcript(list(p), [0.0] * len(p), [0.0] * len(p), len(p)) for p in prompts]
+                prompts: Sequence[Sequence[int]], pool, config: RolloutConfig) -> list[ToolEpisode]:
+  transcripts = [ToolEpisode(list(p), [0.0] * len(p), [0.0] * len(p), len(p)) for p in prompts]
   sessions: dict[int, object] = {}
   async with contextlib.AsyncExitStack() as stack:
     while True:
@@ -149,7 +133,7 @@ async def _play(decode: Decoder, tok: chat.ChatTokenizer, tasks: Sequence[image_
       results = await asyncio.gather(*(sessions[i].arun(code) for i, code in calls.items()))
       outputs = dict(errors)
       for i, result in zip(calls, results):
-        outputs[i] = observation(result, config.output_chars)
+        outputs[i] = chat.tool_output(result, config.output_chars)
         transcripts[i].call_errors += 0 if result.ok else 1
       for i, text in outputs.items():
         t = transcripts[i]
@@ -161,7 +145,7 @@ async def _play(decode: Decoder, tok: chat.ChatTokenizer, tasks: Sequence[image_
 
 
 def play(decode: Decoder, tok: chat.ChatTokenizer, tasks: Sequence[image_tasks.ImageTask], pool,
-         config: RolloutConfig, media: Sequence[Sequence[int]] | None = None) -> list[Transcript]:
+         config: RolloutConfig, media: Sequence[Sequence[int]] | None = None) -> list[ToolEpisode]:
   """Plays one episode per task to the end, in waves of `pool.max_sessions` episodes (each
   episode may hold a session until it ends). `media[i]` (optional) are token ids placed
   before task i's question (its image block, for a vision model). The decoder gets the
@@ -177,7 +161,7 @@ def play(decode: Decoder, tok: chat.ChatTokenizer, tasks: Sequence[image_tasks.I
   return transcripts
 
 
-def summarize(transcripts: Sequence[Transcript], tasks: Sequence[image_tasks.ImageTask]) -> dict[str, float]:
+def summarize(transcripts: Sequence[ToolEpisode], tasks: Sequence[image_tasks.ImageTask]) -> dict[str, float]:
   """accuracy, tool_call_success (calls that ran without error / calls; nan if none),
   calls and turns per episode, length (generated tokens), and the share of each finish."""
   correct = [image_tasks.grade(t.answer, task.answer) for t, task in zip(transcripts, tasks)]
@@ -197,45 +181,21 @@ def summarize(transcripts: Sequence[Transcript], tasks: Sequence[image_tasks.Ima
 
 
 # ------------------------------------------------------------------------------ decoders
-def _bucket(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple
-
-
-def pad_contexts(contexts: Sequence[Sequence[int]], cfg: ModelConfig, sampling: sampler.SamplingConfig,
-                 min_rows: int) -> tuple[np.ndarray, np.ndarray]:
-  """Right-padded prompts [rows, width] and their lengths: width a multiple of 64 tokens,
-  rows a power of two and at least `min_rows`, so the sampler compiles for few shapes."""
-  longest = max(len(c) for c in contexts)
-  width = min(_bucket(longest, 64), cfg.max_position_embeddings - sampling.max_new_tokens)
-  if longest > width:
-    raise ValueError(f"a context of {longest} tokens leaves no room for {sampling.max_new_tokens} new ones in "
-                     f"max_position_embeddings={cfg.max_position_embeddings}")
-  rows = max(1 << (len(contexts) - 1).bit_length(), min_rows)
-  prompts = np.full((rows, width), sampling.pad_id, np.int32)
-  lengths = np.ones(rows, np.int32)
-  for i, c in enumerate(contexts):
-    prompts[i, :len(c)], lengths[i] = c, len(c)
-  return prompts, lengths
-
-
-def _turns(out: dict, n: int) -> list[tuple[list[int], list[float]]]:
-  out = jax.device_get(out)
-  return [(out["tokens"][i, :out["lengths"][i]].tolist(), out["logprobs"][i, :out["lengths"][i]].tolist())
-          for i in range(n)]
+TURN_WIDTH_MULTIPLE = 64   # contexts are padded to a multiple of this many tokens (few sampler shapes)
 
 
 def text_decoder(cfg: ModelConfig, params, sampling: sampler.SamplingConfig, seed: int = 0,
                  min_rows: int = 1) -> Decoder:
-  """A Decoder over the text model: one sampler call per round (`pad_contexts`; min_rows =
+  """A Decoder over the text model: one sampler call per round (`decode.decode`; min_rows =
   the wave size keeps one row count per run)."""
   rng = [jax.random.PRNGKey(seed)]
 
-  def decode(contexts, episodes):
+  def decode_turns(contexts, episodes):
     del episodes
-    prompts, lengths = pad_contexts(contexts, cfg, sampling, min_rows)
     rng[0], key = jax.random.split(rng[0])
-    return _turns(sampler.generate(cfg, params, prompts, lengths, key, sampling), len(contexts))
-  return decode
+    return decode.turns(decode.decode(cfg, params, contexts, key, sampling, width_multiple=TURN_WIDTH_MULTIPLE,
+                                      min_rows=min_rows))
+  return decode_turns
 
 
 def media_batch(items: Sequence[vision_data.Media], cfg: K25Config, rows: int
@@ -264,32 +224,23 @@ def vision_decoder(cfg: K25Config, params, sampling: sampler.SamplingConfig,
   the sampler splices the features into the placeholders at prefill."""
   rng = [jax.random.PRNGKey(seed)]
 
-  def decode(contexts, episodes):
-    prompts, lengths = pad_contexts(contexts, cfg.text, sampling, min_rows)
+  def decode_turns(contexts, episodes):
     items = [media_of(e) for e in episodes]
-    pixels, layout = media_batch(items, cfg, len(prompts))
-    mask = media_lib.placeholder_mask(prompts, cfg.media_token_ids)
-    media_lib.check_placeholders(mask, [m.num_tokens for m in items])
-    features = encode_media(params, pixels, layout, cfg=cfg)
+
+    def media_for(prompts):
+      pixels, layout = media_batch(items, cfg, len(prompts))
+      mask = media_lib.placeholder_mask(prompts, cfg.media_token_ids)
+      media_lib.check_placeholders(mask, [m.num_tokens for m in items])
+      return encode_media(params, pixels, layout, cfg=cfg), jnp.asarray(mask)
+
     rng[0], key = jax.random.split(rng[0])
-    out = sampler.generate(cfg.text, params["language_model"], prompts, lengths, key, sampling,
-                           media=(features, jnp.asarray(mask)))
-    return _turns(out, len(contexts))
-  return decode
+    return decode.turns(decode.decode(cfg.text, params[k25.LANGUAGE_MODEL], contexts, key, sampling,
+                                      width_multiple=TURN_WIDTH_MULTIPLE, min_rows=min_rows, media_for=media_for))
+  return decode_turns
 
 
-def loss_rows(transcripts: Sequence[Transcript], seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
-  """Transcripts → next-token rows [n, seq_len]: inputs, targets, positions, segment_ids,
-  `mask` (1 where the target is a generated token) and `old_logp` (its sampling log-prob).
-  Longer transcripts are cut at seq_len + 1 tokens."""
-  n = len(transcripts)
-  tokens = np.full((n, seq_len + 1), pad_id, np.int32)
-  mask = np.zeros((n, seq_len + 1), np.float32)
-  old = np.zeros((n, seq_len + 1), np.float32)
-  lengths = np.zeros(n, np.int32)
-  for i, t in enumerate(transcripts):
-    m = min(len(t.tokens), seq_len + 1)
-    tokens[i, :m], mask[i, :m], old[i, :m], lengths[i] = t.tokens[:m], t.loss_mask[:m], t.logprobs[:m], m
-  positions = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (n, seq_len))
-  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask[:, 1:], "old_logp": old[:, 1:],
-          "positions": positions, "segment_ids": (positions < lengths[:, None] - 1).astype(np.int32)}
+def sandbox_pool(section) -> sandbox.SandboxPool:
+  """The sandbox pool of a config's `sandbox` section: `sessions` at once, each call limited
+  to `cpu_s`, `wall_s` and `memory_mb`."""
+  return sandbox.SandboxPool(section.sessions, limits=sandbox.Limits(cpu_s=section.cpu_s, wall_s=section.wall_s,
+                                                                      memory_mb=section.memory_mb))

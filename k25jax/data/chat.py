@@ -132,3 +132,15 @@ def parse_turn(tok: ChatTokenizer, ids: Sequence[int]) -> Turn:
   if not text.strip():
     return Turn(text, call, "empty", tuple(ids[:end + 1]))
   return Turn(text, call, None, tuple(ids[:end + 1]))
+
+
+def tool_output(result, max_chars: int) -> str:
+  """A tool result (`sandbox.RunResult`) as the text of its tool message: stdout (and the last
+  expression's value, if any), or `Error: ...`; cut to `max_chars`, marked "..."."""
+  if result.ok:
+    text = result.stdout.rstrip("\n")
+    if result.value is not None:
+      text = f"{text}\n{result.value}" if text else str(result.value)
+  else:
+    text = f"Error: {result.error}"
+  return text if len(text) <= max_chars else text[:max_chars - 3] + "..."

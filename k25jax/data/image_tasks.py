@@ -206,6 +206,14 @@ def make_task(rng: np.random.Generator, kind: str, image_size: int) -> ImageTask
   return ImageTask(kind, img, image, question, answer, programs)
 
 
+def parse_kinds(text: str, field: str) -> tuple[str, ...]:
+  """The task kinds of a comma-separated config field (`field` names it in the error)."""
+  names = tuple(k.strip() for k in text.split(",") if k.strip())
+  if not names or set(names) - set(KINDS):
+    raise ValueError(f"{field}={text!r}; a comma-separated subset of {KINDS}")
+  return names
+
+
 def make_tasks(n: int, seed: int, image_size: int = 56, kinds: tuple[str, ...] = KINDS) -> list[ImageTask]:
   """n tasks, kinds in turn (task i has kind kinds[i % len(kinds)]), deterministic given seed."""
   if not kinds or set(kinds) - set(KINDS):

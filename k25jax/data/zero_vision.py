@@ -25,7 +25,6 @@ from typing import Sequence
 
 import numpy as np
 
-from k25jax.agents import tool_rollout
 from k25jax.data import chat, image_tasks
 
 
@@ -62,7 +61,7 @@ async def _run_shard(pool, tasks, shard: list[int], programs, output_chars: int)
         result = await session.arun(code)
         if not result.ok:
           raise RuntimeError(f"reference program of a {task.kind} task failed in the sandbox: {result.error}\n{code}")
-        outputs[i].append(tool_rollout.observation(result, output_chars))
+        outputs[i].append(chat.tool_output(result, output_chars))
       if not image_tasks.grade(outputs[i][-1], task.answer):
         raise RuntimeError(f"the tool printed {outputs[i][-1]!r} for a {task.kind} task whose answer is "
                            f"{task.answer!r}")

@@ -14,7 +14,7 @@ NS is 5 steps of the quintic Newton–Schulz iteration towards U Vᵀ (G = U S V
 
 run on the transpose when n > m so that A is the smaller Gram matrix. A tensor that
 is a batch of matrices (stacked experts) is orthogonalised matrix by matrix; which
-axes are rows and columns comes from `k25jax.optim.routing.matrix_axes`. The layers of a
+axes are rows and columns comes from `k25jax.optim.partition.matrix_axes`. The layers of a
 scanned stack (`moe_layers`) are orthogonalised one after the other (`lax.map`).
 
 `optax.contrib.muon` is not used as a whole: its Nesterov momentum is a bias-corrected
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from k25jax.optim.routing import MatrixAxes, matrix_axes, stacked_axes
+from k25jax.optim.partition import MatrixAxes, matrix_axes, stacked_axes
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 

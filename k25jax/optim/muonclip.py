@@ -1,6 +1,6 @@
 """MuonClip (Kimi K2): Muon with QK-Clip for MLA, AdamW for the rest.
 
-Per step, with the routing of `k25jax.optim.routing`:
+Per step, with the parameters partitioned by `k25jax.optim.partition`:
 
     W ← W − η (O + λ W)                                Muon matrices (k25jax.optim.muon)
     W ← W − η (m̂ / (sqrt(v̂) + ε) + λ W)               AdamW (λ on matrices only)
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from k25jax.model.transformer import SCANNED
-from k25jax.optim import routing
+from k25jax.optim import partition
 from k25jax.optim.muon import NS_COEFFS, muon
 
 
@@ -39,13 +39,13 @@ def muonclip(learning_rate: optax.ScalarOrSchedule, *, weight_decay: float = 0.1
   One learning rate for both halves: the RMS scaling makes Muon's updates AdamW-sized.
   """
   adamw = optax.adamw(learning_rate, b1=adam_b1, b2=adam_b2, eps=adam_eps, weight_decay=weight_decay,
-                      mask=routing.matrix_mask)
+                      mask=partition.matrix_mask)
   return optax.partition(
-      {routing.MUON: muon(learning_rate, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+      {partition.MUON: muon(learning_rate, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                           ns_coeffs=ns_coeffs, rms_scale=rms_scale, weight_decay=weight_decay),
-       routing.ADAMW: adamw,
-       routing.FROZEN: optax.set_to_zero()},
-      routing.labels)
+       partition.ADAMW: adamw,
+       partition.FROZEN: optax.set_to_zero()},
+      partition.labels)
 
 
 def _head_scale(per_head_first: jax.Array, per_head_rest: jax.Array, n_first: int, n_rest: int

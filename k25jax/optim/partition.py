@@ -1,4 +1,5 @@
-"""Which optimizer updates each parameter of the K2 decoder, and how Muon sees it as a matrix.
+"""The partition of the params among the optimizers: which one updates each parameter of the
+K2 decoder, and how Muon sees it as a matrix.
 
     frozen : e_score_correction_bias (the router bias; the train step sets it by its own rule)
     adamw  : embed_tokens, lm_head, the router kernel (mlp/gate/kernel), norms, biases
@@ -99,4 +100,4 @@ def _layer_matrix_axes(keys: tuple[str, ...], shape: tuple[int, ...]) -> MatrixA
     n_in = _INPUT_AXES[module]
     return MatrixAxes((), tuple(range(n_in)), (n_in,))
   raise ValueError(f"muon: no matrix layout for the {ndim}-D parameter {'/'.join(keys)} {shape}; "
-                   f"add it to k25jax/optim/routing.py or route it to AdamW")
+                   f"add it to k25jax/optim/partition.py or assign it to AdamW")

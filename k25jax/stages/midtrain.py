@@ -1,4 +1,4 @@
-"""Long-context mid-training: the joint vision–text step on long packed rows, with YaRN.
+"""Long-context mid-training: joint vision–text training (`k25jax.train.joint`) on long packed rows, with YaRN.
 
     rope_scaling = YaRN(factor = long_context.yarn_factor,
                         original_max_position_embeddings = long_context.original_context,
@@ -10,9 +10,8 @@
     activations, attention included, sharded along the `sequence` mesh axis
     (logical axis activation_length → sequence; mesh.sequence = -1 takes every device)
 
-Everything else is joint pre-training (`pretrain.run_joint`); start from its workdir with
-`--config.train.init_from=runs/pretrain_joint`. At k25 size this is the paper's
-32K → 262K stretch: original_context 4096, factor 64.
+Start from joint pre-training's workdir with `--config.init.checkpoint=runs/pretrain_joint`.
+At k25 size this is the paper's 32K → 262K stretch: original_context 4096, factor 64.
 """
 from __future__ import annotations
 
@@ -20,10 +19,7 @@ import ml_collections
 
 from k25jax.data import tokenizer
 from k25jax.model.config import K25Config
-from k25jax.stages import pretrain
-from k25jax.train import config_utils
-
-make_step = pretrain.make_joint_step
+from k25jax.train import config_utils, joint
 
 
 def yarn_scaling(long_context: ml_collections.ConfigDict) -> dict:
@@ -36,10 +32,9 @@ def yarn_scaling(long_context: ml_collections.ConfigDict) -> dict:
               mscale=1.0, mscale_all_dim=1.0)
 
 
-def long_context_model(config: ml_collections.ConfigDict) -> K25Config:
+def long_context_model(config: ml_collections.ConfigDict, tok) -> K25Config:
   """The config's K2.5 model with YaRN and max positions = factor · original context."""
-  tok = tokenizer.load(config.data.tokenizer, config.data.vocab_file, media=True)
-  cfg = config_utils.k25_config_from(config.model, tok.media)
+  cfg = config_utils.k25_config_from(config.model, tok)
   lc = config.long_context
   max_positions = int(round(lc.yarn_factor * lc.original_context))
   if config.train.seq_len > max_positions:
@@ -50,4 +45,5 @@ def long_context_model(config: ml_collections.ConfigDict) -> K25Config:
 
 def run(config: ml_collections.ConfigDict, workdir: str):
   """Trains to `config.train.steps` (resuming from the workdir). Returns (state, history)."""
-  return pretrain.run_joint(config, workdir, long_context_model(config))
+  tok = tokenizer.load(config.data.tokenizer, config.data.vocab_file, media=True)
+  return joint.run(config, workdir, long_context_model(config, tok), tok)

@@ -11,12 +11,13 @@ Per iteration t, for P tasks x (wide and deep wide-search tasks) and K episodes 
     θ       ← θ − η ∇ L_K2.5(θ) over the ORCHESTRATOR's generated tokens only; sub-agent
                tokens are observations to it and never enter the loss.
 
-Sub-agents are frozen copies of a fixed checkpoint (`parl.subagent_checkpoint`); the
-orchestrator starts from a checkpoint too (`warm_start.checkpoint`). Without them (the
-tiny default) the stage first trains one model by SFT on scripted demonstrations of both
-roles run through the real budgeted environment, saves it under workdir/warm_start, and
-uses it for both. The summary compares the trained swarm with the single agent (the
-warm-start model with `create`/`assign` removed from its vocabulary) on held-out tasks.
+The iterations, advantages and updates are `k25jax.rl.driver`'s. Sub-agents are frozen
+copies of a fixed checkpoint (`parl.subagent_checkpoint`); the orchestrator starts from
+`init.checkpoint`. Without them (the tiny default) the stage first trains one model by
+SFT on scripted demonstrations of both roles run through the real budgeted environment
+(the built-in warm start, under workdir/warm_start), and uses it for both. The summary
+compares the trained swarm with the single agent (the warm-start model with
+`create`/`assign` removed from its vocabulary) on held-out tasks.
 """
 from __future__ import annotations
 
@@ -24,8 +25,6 @@ import json
 import os
 import time
 
-import flax.linen as nn
-import jax
 import ml_collections
 import numpy as np
 from absl import logging
@@ -33,10 +32,8 @@ from absl import logging
 from k25jax import losses
 from k25jax.agents import dsl, swarm, widesearch
 from k25jax.model import transformer
-from k25jax.rl import sampler
-from k25jax.stages import rl as rl_stage
-from k25jax.train import checkpoint, config_utils, loop, optimizer, sft, sharding
-from k25jax.train import state as state_lib
+from k25jax.rl import driver, rollout, sampler
+from k25jax.train import config_utils, sharding, trainer as trainer_lib, warm_start as warm_start_lib
 
 SOLO_BANNED = (dsl.token_id("create"), dsl.token_id("assign"))
 
@@ -77,26 +74,6 @@ def rewards(config, iteration: int, results) -> tuple[np.ndarray, dict]:
                  "r_finish": float(finish.mean()), "lambda1": lambda1, "lambda2": lambda2}
 
 
-def orchestrator_batch(results, advantages: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
-  """The orchestrators' contexts as loss rows: its generated turn tokens carry the loss
-  (mask 1), its prompt and observations — sub-agent outputs included — carry none."""
-  n = len(results)
-  tokens = np.full((n, seq_len + 1), dsl.PAD_ID, np.int32)
-  mask = np.zeros((n, seq_len + 1), np.float32)
-  old = np.zeros((n, seq_len + 1), np.float32)
-  lengths = np.zeros(n, np.int32)
-  for i, r in enumerate(results):
-    t = r.orchestrator
-    m = min(len(t.tokens), seq_len + 1)
-    tokens[i, :m], mask[i, :m], old[i, :m] = t.tokens[:m], t.loss_mask[:m], t.logprobs[:m]
-    lengths[i] = m
-  positions = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (n, seq_len))
-  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask[:, 1:], "old_logp": old[:, 1:],
-          "positions": positions, "segment_ids": (positions < lengths[:, None]).astype(np.int32),
-          "advantages": np.repeat(advantages[:, None], seq_len, axis=1),
-          "rewards": np.zeros((n, seq_len), np.float32)}
-
-
 def summarize(results, wall: float) -> dict[str, float]:
   """Mean episode metrics (Item-F1, success, sub-agents, critical steps...) per task kind and overall."""
   out = {"wall_s": wall}
@@ -112,51 +89,50 @@ def summarize(results, wall: float) -> dict[str, float]:
   return out
 
 
+def collector(config, model_cfg, sub_params):
+  """collect(params, i): iteration i's P tasks × K episodes of the swarm, as the orchestrator's
+  loss rows (its turns carry the loss; its prompt and observations, sub-agent outputs
+  included, carry none) with their PARL rewards."""
+  rl, p, seed = config.rl, config.parl, config.train.seed
+
+  def collect(params, it: int) -> driver.Rollouts:
+    tasks = widesearch.sample_tasks(rl.prompts_per_iteration, seed * 100_003 + it, deep_fraction=p.deep_fraction)
+    episodes = [t for t in tasks for _ in range(rl.num_generations)]
+    results, runtime, wall = play(config, model_cfg, params, sub_params, episodes, greedy=False, seed=it)
+    reward, parts = rewards(config, it, results)
+    rows = rollout.loss_rows([r.orchestrator for r in results], model_cfg.max_position_embeddings, dsl.PAD_ID)
+    return driver.Rollouts(rows, reward, {**parts, **summarize(results, wall), "reward": float(reward.mean()),
+                                          "device_calls": float(sum(runtime.device_calls.values()))})
+  return collect
+
+
 # ------------------------------------------------------------------------------ warm start
-def warm_start(config, model, mesh, workdir: str):
-  """(orchestrator params, sub-agent params): from checkpoints if configured, else one SFT model."""
+def builtin_warm_start(config, model, mesh, workdir: str):
+  """The params of the built-in warm start: one model fine-tuned on scripted demonstrations
+  of both roles (`warm_start`), trained (or resumed) under workdir/warm_start."""
   ws, p = config.warm_start, config.parl
-  boxed = transformer.abstract_params(model.cfg)
-  target = checkpoint.abstract_target(nn.meta.unbox(boxed), sharding.logical_to_sharding(boxed, mesh))
-  restore = lambda path: checkpoint.Checkpoints(path, keep=1).restore_params(target)
-  if ws.checkpoint:
-    orch = restore(ws.checkpoint)
-  else:
-    demos = widesearch.demonstrations(ws.demonstrations, ws.seed, budget=p.budget, deep_fraction=p.deep_fraction,
-                                      max_length=min(widesearch.MAX_CONTEXT, model.cfg.max_position_embeddings))
-    logging.info("parl warm start: %d demonstration contexts from %d scripted episodes (mean Item-F1 %.2f)",
-                 len(demos["tokens"]), ws.demonstrations, demos["item_f1"].mean())
-    orch, _ = sft.train(ws, model, demos["tokens"], demos["loss_mask"], demos["length"], mesh=mesh,
-                        workdir=os.path.join(workdir, "warm_start"))
-  sub = restore(p.subagent_checkpoint) if p.subagent_checkpoint else orch
-  return orch, sub
+  demos = widesearch.demonstrations(ws.demonstrations, ws.seed, budget=p.budget, deep_fraction=p.deep_fraction,
+                                    max_length=min(widesearch.MAX_CONTEXT, model.cfg.max_position_embeddings))
+  logging.info("parl warm start: %d demonstration contexts from %d scripted episodes (mean Item-F1 %.2f)",
+               len(demos["tokens"]), ws.demonstrations, demos["item_f1"].mean())
+  params, _ = warm_start_lib.train(ws, model, demos["tokens"], demos["loss_mask"], demos["length"], mesh=mesh,
+                                   workdir=os.path.join(workdir, "warm_start"))
+  return params
 
 
 def frozen_subagents(config, workdir: str):
   """The params of a run's frozen sub-agents, restored: `parl.subagent_checkpoint`, else the
-  run's warm start (`warm_start.checkpoint`, or the SFT model it trained under workdir/warm_start)."""
-  path = config.parl.subagent_checkpoint or config.warm_start.checkpoint or os.path.join(workdir, "warm_start")
-  boxed = transformer.abstract_params(config_utils.model_config_from(config.model))
-  mesh = sharding.make_mesh(config.mesh.to_dict())
-  target = checkpoint.abstract_target(nn.meta.unbox(boxed), sharding.logical_to_sharding(boxed, mesh))
-  return checkpoint.Checkpoints(path, keep=1).restore_params(target)
+  run's start (`init.checkpoint`, or the warm start it trained under workdir/warm_start)."""
+  path = config.parl.subagent_checkpoint or config.init.checkpoint or os.path.join(workdir, "warm_start")
+  model = transformer.Transformer(config_utils.model_config_from(config.model))
+  return trainer_lib.restore_params(model, path, sharding.make_mesh(config.mesh.to_dict()))
 
 
 # ------------------------------------------------------------------------------------- run
 def check(config) -> None:
-  rl = config.rl
-  if rl.num_generations < 2:
-    raise ValueError(f"rl.num_generations={rl.num_generations}: group advantages need K >= 2 episodes per task")
-  if (rl.prompts_per_iteration * rl.num_generations) % rl.minibatches:
-    raise ValueError(f"rl.minibatches={rl.minibatches} must divide the "
-                     f"{rl.prompts_per_iteration * rl.num_generations} episodes per iteration")
   if config.parl.budget < 2:
     raise ValueError(f"parl.budget={config.parl.budget}: an episode needs at least 2 critical steps")
-
-
-def make_step(config, model: transformer.Transformer, tx):
-  """The jitted orchestrator update: the RL stage's step with the K2.5 loss."""
-  return rl_stage.make_step(config, model, tx)
+  driver.check(config)
 
 
 def evaluate_all(config, model_cfg, orch, sub, warm, tasks) -> dict[str, dict]:
@@ -174,65 +150,31 @@ def evaluate_all(config, model_cfg, orch, sub, warm, tasks) -> dict[str, dict]:
 
 
 def run(config: ml_collections.ConfigDict, workdir: str):
-  """Warm start, then `rl.iterations` PARL iterations; prints the summary. Returns (state, history)."""
+  """Start (init.checkpoint or the built-in warm start), then `train.steps` PARL iterations;
+  prints the summary. Returns (state, history)."""
   check(config)
-  rl, p = config.rl, config.parl
-  model_cfg = config_utils.model_config_from(config.model)
-  model = transformer.Transformer(model_cfg)
+  p = config.parl
+  model = transformer.Transformer(config_utils.model_config_from(config.model))
   mesh = sharding.make_mesh(config.mesh.to_dict())
-  tx = optimizer.make_optimizer(config.optimizer, rl.iterations * rl.minibatches)
-  abstract = state_lib.abstract(transformer.abstract_params(model_cfg), tx)
-  shardings = sharding.logical_to_sharding(abstract, mesh)
-  checkpoints = checkpoint.Checkpoints(workdir, keep=2)
-  writer = loop.MetricWriter(workdir)
-  to_device = lambda rows: sharding.global_batch(rows, sharding.batch_sharding(mesh))
   eval_tasks = widesearch.sample_tasks(p.eval_tasks, p.eval_seed, deep_fraction=p.deep_fraction)
-  history = []
-  with jax.set_mesh(mesh):
-    warm, sub = warm_start(config, model, mesh, workdir)
-    create = jax.jit(lambda x: state_lib.create(x, tx, jax.random.PRNGKey(rl.seed)), out_shardings=shardings)
-    state = checkpoints.restore_latest(checkpoint.abstract_target(nn.meta.unbox(abstract), shardings))
-    if state is None:
-      state = create(warm)
-    train_step = make_step(config, model, tx)
-    first = int(state.step) // rl.minibatches
-    for it in range(first, rl.iterations):
-      if it % rl.eval_every == 0:
-        results, _, wall = play(config, model_cfg, state.params, sub, eval_tasks, greedy=False, seed=p.eval_seed)
-        ev = summarize(results, wall)
-        logging.info("parl eval at iteration %d: Item-F1 %.3f (wide %.3f, deep %.3f)  sub-agents %.2f "
-                     "(wide %.2f, deep %.2f)  critical steps %.2f", it, ev["item_f1"], ev.get("wide/item_f1", 0),
-                     ev.get("deep/item_f1", 0), ev["num_created"], ev.get("wide/num_created", 0),
-                     ev.get("deep/num_created", 0), ev["critical_steps"])
-        writer.write(it, ev, "eval")
-        history.append({"iteration": it, "split": "eval", **ev})
-      t0 = time.perf_counter()
-      tasks = widesearch.sample_tasks(rl.prompts_per_iteration, rl.seed * 100_003 + it, deep_fraction=p.deep_fraction)
-      episodes = [t for t in tasks for _ in range(rl.num_generations)]
-      results, runtime, t_play = play(config, model_cfg, state.params, sub, episodes, greedy=False, seed=it)
-      reward, parts = rewards(config, it, results)
-      advantages = np.asarray(losses.group_advantages(reward, rl.num_generations), np.float32)
-      seq_len = model_cfg.max_position_embeddings
-      batch = orchestrator_batch(results, advantages, seq_len)
-      size = len(results) // rl.minibatches
-      for m in range(rl.minibatches):
-        state, metrics = train_step(state, to_device({k: v[m * size:(m + 1) * size] for k, v in batch.items()}))
-      metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-      row = {"iteration": it + 1, "split": "train", **metrics, **parts, **summarize(results, t_play),
-             "reward": float(reward.mean()), "device_calls": float(sum(runtime.device_calls.values())),
-             "iteration_s": time.perf_counter() - t0}
-      history.append(row)
-      writer.write(it + 1, {k: v for k, v in row.items() if k not in ("iteration", "split")}, "train")
-      if (it + 1) % rl.log_every == 0:
-        logging.info("parl iteration %d/%d  reward %.3f  Item-F1 %.3f  sub-agents %.2f  critical steps %.2f  "
-                     "λ1 %.3f  loss %.4f  %.1fs/iteration", it + 1, rl.iterations, row["reward"], row["item_f1"],
-                     row["num_created"], row["critical_steps"], row["lambda1"], row["loss"], row["iteration_s"])
-      if loop.due(it + 1, rl.checkpoint_every, rl.iterations):
-        checkpoints.save(it + 1, state)
-    final = evaluate_all(config, model_cfg, state.params, sub, warm, eval_tasks)
-  checkpoints.close()
-  writer.close()
-  history.append({"iteration": rl.iterations, "split": "final", "rows": final})
+  with trainer_lib.Trainer.for_config(config, workdir, model, driver.make_optimizer(config), mesh) as trainer:
+    warm = trainer.params_from(config.init)
+    if warm is None:
+      warm = builtin_warm_start(config, model, mesh, workdir)
+    sub = trainer_lib.restore_params(model, p.subagent_checkpoint, mesh) if p.subagent_checkpoint else warm
+    state = trainer.start(default_params=lambda: warm)
+
+    def evaluate(params):
+      results, _, wall = play(config, model.cfg, params, sub, eval_tasks, greedy=False, seed=p.eval_seed)
+      return summarize(results, wall)
+
+    state, history = driver.train(
+        trainer, state, config, collect=collector(config, model.cfg, sub), evaluate=evaluate, name="parl",
+        log_keys=("reward", "item_f1", "num_created", "critical_steps", "lambda1", "loss", "sample_s"),
+        eval_keys=("item_f1", "wide/item_f1", "deep/item_f1", "num_created", "wide/num_created", "deep/num_created",
+                   "critical_steps"))
+    final = evaluate_all(config, model.cfg, state.params, sub, warm, eval_tasks)
+  history.append({"iteration": config.train.steps, "split": "final", "rows": final})
   with open(os.path.join(workdir, "parl_curves.json"), "w") as f:
     json.dump(history, f, indent=1)
   print_summary(final, p.budget, len(eval_tasks))

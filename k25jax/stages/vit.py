@@ -7,13 +7,13 @@ Per step, on batches of synthetic vision samples only (k25jax.data.mixture, rati
     phase 2, after:                           θ_proj ← AdamW(θ_proj, ∇L),  θ_vit fixed
     θ_LM frozen throughout (no gradient is computed for it; the optimizer sets its updates to 0)
 
-The language model starts from `train.init_lm_from` (a text pretrain workdir), or all
-params from `train.init_from` (a K2.5 stage's workdir), or from a random init. Held-out vision samples (another seed) give the eval loss and
-`answer_exact`, the fraction of samples whose whole answer greedy decoding would produce.
+The language model starts from `init.text_checkpoint` (a text pretrain workdir), or all
+params from `init.checkpoint` (a K2.5 run's workdir), or from a random init. Held-out
+vision samples (another seed) give the eval loss and `answer_exact`, the fraction of
+samples whose whole answer greedy decoding would produce.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
@@ -21,9 +21,9 @@ from absl import logging
 
 from k25jax.data import mixture, tokenizer
 from k25jax.model import k25
-from k25jax.train import checkpoint, config_utils, loop, multimodal, optimizer, sharding, step
+from k25jax.train import config_utils, multimodal, objective, optimizer, sharding, trainer as trainer_lib
 
-LM, VIT, PROJECTOR = "language_model", "vision_tower", "mm_projector"
+LM, VIT, PROJECTOR = k25.LANGUAGE_MODEL, k25.VISION_TOWER, k25.PROJECTOR
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -42,19 +42,6 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
   vit_gate = optax.scale_by_schedule(lambda count: jnp.where(count < boundary, 1.0, 0.0))
   return optax.multi_transform({VIT: optax.chain(adamw(), vit_gate), PROJECTOR: adamw(),
                                 LM: optax.set_to_zero()}, lambda params: {k: k for k in params})
-
-
-def make_step(config: ml_collections.ConfigDict, model: k25.K25, tx):
-  """The jitted train step (state, device batch with media) -> (state, metrics)."""
-  return step.make_train_step(multimodal.make_loss(config, model, frozen=(LM,)), tx,
-                              multimodal.abstract_state(model.cfg, tx), router_gamma=0.0,
-                              first_moe_layer=model.cfg.text.first_k_dense_replace,
-                              batch_specs=multimodal.batch_specs(True), lm_key=LM)
-
-
-def make_eval_step(config: ml_collections.ConfigDict, model: k25.K25, tx):
-  return step.make_eval_step(multimodal.make_loss(config, model), multimodal.abstract_state(model.cfg, tx),
-                             batch_specs=multimodal.batch_specs(True))
 
 
 def datasets(config, tok):
@@ -78,34 +65,21 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   multimodal.check_single_process("vit")
   check(config)
   tok = tokenizer.load(config.data.tokenizer, config.data.vocab_file, media=True)
-  model_cfg = config_utils.k25_config_from(config.model, tok.media)
-  if tok.vocab_size > model_cfg.text.vocab_size:
-    raise ValueError(f"data.tokenizer has {tok.vocab_size} ids but model.text.vocab_size={model_cfg.text.vocab_size}")
+  model = k25.K25(config_utils.k25_config_from(config.model, tok))
   mesh = sharding.make_mesh(config.mesh.to_dict())
-  model = k25.K25(model_cfg)
-  tx = make_optimizer(config)
-  checkpoints = checkpoint.Checkpoints(workdir, keep=config.train.keep_checkpoints)
-  writer = loop.MetricWriter(workdir)
+  trainer_lib.check_rows(config, tok, model, mesh)
   train_data, eval_data = datasets(config, tok)
-  prepare = lambda b: multimodal.to_device(multimodal.device_features(b, model_cfg, config.data.max_patches), mesh)
-
-  with jax.set_mesh(mesh):
-    create, target = multimodal.init_state(config, model_cfg, tx, mesh)
-    state = checkpoints.restore_latest(target, train_data)
-    if state is None:
-      state = create(multimodal.initial_params(config, model_cfg, mesh))
+  prepare = lambda b: multimodal.to_device(multimodal.device_features(b, model.cfg, config.data.max_patches), mesh)
+  with trainer_lib.Trainer.for_config(config, workdir, model, make_optimizer(config), mesh) as trainer:
+    state = trainer.start(config.init, train_data)
     logging.info("vit: projector only from step %d, LM %s, starting at step %d", config.vit.projector_only_from,
-                 config.train.init_lm_from or config.train.init_from or "random (frozen)", int(state.step))
-    train_step = make_step(config, model, tx)
-    eval_step = make_eval_step(config, model, tx)
+                 config.init.text_checkpoint or config.init.checkpoint or "random (frozen)", int(state.step))
+    loss = lambda frozen: objective.next_token(model, z_loss=config.train.z_loss,
+                                               balance_loss_alpha=config.train.balance_loss_alpha, frozen=frozen)
+    specs = multimodal.batch_specs(True)
+    step = trainer.train_step(loss((LM,)), router_bias_rate=0.0, batch_specs=specs)   # the LM's router bias too
+    eval_step = trainer.eval_step(loss(()), specs)
     eval_batches = [prepare(b) for b in eval_data]
-    state, history = loop.train(
-        state, train_step=train_step, next_batch=lambda: prepare(next(train_data)),
-        total_steps=config.train.steps, tokens_per_step=config.train.batch * config.train.seq_len,
-        log_every=config.train.log_every, eval_every=config.train.eval_every,
-        checkpoint_every=config.train.checkpoint_every,
-        evaluate_fn=lambda s: multimodal.evaluate(eval_step, s, eval_batches),
-        save_fn=lambda n, s: checkpoints.save(n, s, train_data), writer=writer)
-  checkpoints.close()
-  writer.close()
-  return state, history
+    return trainer.fit(state, step, lambda _: prepare(next(train_data)), config.train,
+                       tokens_per_step=config.train.batch * config.train.seq_len,
+                       evaluate=lambda s: multimodal.evaluate(eval_step, s, eval_batches), data_iterator=train_data)

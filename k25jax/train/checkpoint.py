@@ -9,10 +9,13 @@ from __future__ import annotations
 import os
 import tempfile
 
+import flax.linen as nn
 import grain
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
+
+from k25jax.train import sharding
 
 
 def ensure_writable(workdir: str) -> None:
@@ -67,21 +70,6 @@ class Checkpoints:
                          "move the directory away to start afresh")
     return None
 
-  def restore_params(self, params_target):
-    """Only the params of the newest checkpoint (another stage's, whatever its optimizer):
-    `params_target` is a tree of `jax.ShapeDtypeStruct` with shardings."""
-    self.manager.reload()
-    steps = sorted(self.manager.all_steps(), reverse=True)
-    if not steps:
-      raise FileNotFoundError(f"no checkpoint in {self.directory}")
-    reader = ocp.CheckpointManager(self.directory, item_names=("state",))
-    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), params_target)
-    restored = reader.restore(steps[0], args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item={"params": params_target}, restore_args={"params": restore_args}, partial_restore=True)))
-    reader.close()
-    logging.info("restored the params of checkpoint %d from %s", steps[0], self.directory)
-    return restored["state"]["params"]
-
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
@@ -91,3 +79,29 @@ def abstract_target(unboxed_abstract, shardings):
   """ShapeDtypeStructs with shardings: what `restore_latest` restores into."""
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                       unboxed_abstract, shardings)
+
+
+def params_target(boxed_params, mesh: jax.sharding.Mesh):
+  """What `restore_params` restores into: the shapes of abstract params in their
+  `nn.LogicallyPartitioned` boxes, sharded over `mesh` by the logical rules."""
+  return abstract_target(nn.meta.unbox(boxed_params), sharding.logical_to_sharding(boxed_params, mesh))
+
+
+def restore_params(workdir: str, target):
+  """Only the params of the newest checkpoint under `workdir/checkpoints` (any stage's, whatever
+  its optimizer), shaped and sharded like `target` (`params_target`). Raises FileNotFoundError
+  when it holds no checkpoint."""
+  directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"no checkpoint in {directory}: expected the workdir of a run")
+  reader = ocp.CheckpointManager(directory, item_names=("state",))
+  steps = sorted(reader.all_steps())
+  if not steps:
+    reader.close()
+    raise FileNotFoundError(f"no checkpoint in {directory}: expected the workdir of a run")
+  restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
+  restored = reader.restore(steps[-1], args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+      item={"params": target}, restore_args={"params": restore_args}, partial_restore=True)))
+  reader.close()
+  logging.info("restored the params of checkpoint %d from %s", steps[-1], directory)
+  return restored["state"]["params"]

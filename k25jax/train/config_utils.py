@@ -1,24 +1,17 @@
-"""The `model` section of a stage config ↔ `ModelConfig`.
-
-The section holds the preset's name and every `ModelConfig` field at the preset's
-value, so `--config.model.num_hidden_layers=2` overrides one field and a misspelt
-field fails.
+"""Config files and their sections on the package side: a `model` section (made by
+`configs/common.py`: the preset's name and every field at the preset's value) → its
+`ModelConfig` / `K25Config`; loading a config file by path; `section.field=value` overrides.
 """
 from __future__ import annotations
 
 import ast
-import dataclasses
 import importlib.util
 import os
+import sys
 
 import ml_collections
 
 from k25jax.model import config as model_config
-
-
-def model_section(preset: str, **overrides) -> ml_collections.ConfigDict:
-  fields = dataclasses.asdict(model_config.preset(preset, **overrides))
-  return ml_collections.ConfigDict({"preset": preset, **fields})
 
 
 def model_config_from(section: ml_collections.ConfigDict) -> model_config.ModelConfig:
@@ -27,38 +20,31 @@ def model_config_from(section: ml_collections.ConfigDict) -> model_config.ModelC
   return model_config.ModelConfig(**fields)
 
 
-def k25_model_section(preset: str, **text_overrides) -> ml_collections.ConfigDict:
-  """The `model` section of a multimodal stage: every `ModelConfig` field under `text`,
-  every `VisionConfig` field under `vision`, and the projector's LayerNorm eps."""
-  cfg = model_config.k25_preset(preset)
-  text = dataclasses.asdict(cfg.text.replace(**text_overrides))
-  vision = dataclasses.asdict(cfg.vision)
-  return ml_collections.ConfigDict({"preset": preset, "text": text, "vision": vision,
-                                    "projection_layer_norm_eps": cfg.projection_layer_norm_eps})
-
-
-def k25_config_from(section: ml_collections.ConfigDict, media_ids) -> model_config.K25Config:
-  """The K25Config of a `k25_model_section`, its media ids from the tokenizer's
-  (`tokenizer.MediaIds`): placeholder = <|media_pad|>, vision start/end = begin/end."""
+def k25_config_from(section: ml_collections.ConfigDict, tok) -> model_config.K25Config:
+  """The K25Config of a K2.5 `model` section, its media ids from the tokenizer `tok` (one with
+  media tokens): placeholder = <|media_pad|>, vision start/end = begin/end; the video
+  placeholder is put past the vocabulary (video chunks use <|media_pad|> too, so no token
+  of ours is ever taken for one)."""
   vision = model_config.VisionConfig(**section.vision.to_dict())
   text = model_config.ModelConfig(**section.text.to_dict())
-  video_id = max(media_ids) + 1   # never in our token stream: video chunks use <|media_pad|> too
+  media = tok.media
   return model_config.K25Config(text=text, vision=vision, projection_hidden_size=vision.hidden_size,
                                 projection_layer_norm_eps=section.projection_layer_norm_eps,
-                                image_token_id=media_ids.pad, video_token_id=video_id,
-                                vision_start_token_id=media_ids.begin, vision_end_token_id=media_ids.end)
+                                image_token_id=media.pad, video_token_id=tok.vocab_size,
+                                vision_start_token_id=media.begin, vision_end_token_id=media.end)
 
 
-def adamw_section(lr: float, warmup_steps: int, decay_steps: int, *, weight_decay: float = 0.0,
-                  b2: float = 0.95, grad_clip: float = 1.0) -> ml_collections.ConfigDict:
-  """An `optimizer` section for AdamW under the WSD schedule (k25jax.train.optimizer)."""
-  return ml_collections.ConfigDict(dict(name="adamw", lr=lr, warmup_steps=warmup_steps, decay_steps=decay_steps,
-                                        final_lr_ratio=0.1, b1=0.9, b2=b2, eps=1e-8, weight_decay=weight_decay,
-                                        grad_clip=grad_clip))
+def put_checkout_on_path(config_path: str) -> None:
+  """Makes `configs.common` importable for the config file at `config_path` (a file of a
+  checkout's configs/ folder: its checkout goes first on sys.path)."""
+  checkout = os.path.dirname(os.path.dirname(os.path.abspath(config_path)))
+  if checkout not in sys.path:
+    sys.path.insert(0, checkout)
 
 
 def load_config_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
   """`get_config(arg)` of a config file, loaded by path as `main.py`'s --config flag does."""
+  put_checkout_on_path(path)
   name = os.path.splitext(os.path.basename(path))[0]
   spec = importlib.util.spec_from_file_location(f"{name}_config_file", path)
   module = importlib.util.module_from_spec(spec)

@@ -16,7 +16,8 @@ from tensorboardX import SummaryWriter
 
 
 class MetricWriter:
-  """TensorBoard scalars, from process 0 only."""
+  """TensorBoard scalars, from process 0 only; non-finite values (e.g. a rate with no
+  events) are left out."""
 
   def __init__(self, workdir: str):
     self.writer = SummaryWriter(os.path.join(workdir, "tensorboard")) if jax.process_index() == 0 else None
@@ -25,7 +26,8 @@ class MetricWriter:
     if self.writer is None:
       return
     for name, value in scalars.items():
-      self.writer.add_scalar(f"{prefix}/{name}", float(value), step)
+      if np.isfinite(value):
+        self.writer.add_scalar(f"{prefix}/{name}", float(value), step)
     self.writer.flush()
 
   def close(self) -> None:
@@ -67,16 +69,17 @@ def due(step: int, every: int, last: int) -> bool:
   return step % every == 0 or step == last
 
 
-def train(state, *, train_step: Callable, next_batch: Callable[[], dict], total_steps: int,
+def train(state, *, train_step: Callable, batch_at: Callable[[int], dict], total_steps: int,
           tokens_per_step: int, log_every: int, eval_every: int, checkpoint_every: int,
           evaluate_fn: Callable | None, save_fn: Callable, writer: MetricWriter):
-  """Runs `train_step` from `state.step` to `total_steps`. Returns (state, history), history
-  a list of {"step", "split", **metrics} for every logged train step and evaluation."""
+  """Runs `train_step` from `state.step` to `total_steps` on `batch_at(step)`, the batch of
+  the 0-based step about to be taken. Returns (state, history), history a list of
+  {"step", "split", **metrics} for every logged train step and evaluation."""
   step = int(jax.device_get(state.step))
   progress = Progress(total_steps, tokens_per_step, step)
   history, skipped = [], int(jax.device_get(state.skipped))
   while step < total_steps:
-    state, metrics = train_step(state, next_batch())
+    state, metrics = train_step(state, batch_at(step))
     step += 1
     if due(step, log_every, total_steps) or step == 1:
       metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}

@@ -1,11 +1,11 @@
-"""Training the K2.5 multimodal model: media batches on device, the loss, state and metrics.
+"""Training the K2.5 multimodal model: media batches on device, answer metrics, evaluation.
 
     host batch  = mixture features [B, S] + media items (k25jax.data.mixture)
     device batch = the features; pixel_values zero-padded to a fixed patch budget P and
                    layout = vision.patch_layout(grids, num_patches=P, num_merged=P / (kh·kw)),
                    so ONE compilation serves every batch (a batch without media takes the
                    text-only path, a second one)
-    L = CE(K25(tokens, pixel_values, layout)) + z · mean (log Z)² + α · L_balance
+    L = CE(K25(tokens, pixel_values, layout)) + z · mean (log Z)² + α · L_balance   (objective.next_token)
 
 The answers of vision samples are scored whole: a sample is `answer_exact` when the argmax
 is right at every answer position given the right prefix, which is exactly when greedy
@@ -15,19 +15,20 @@ Single process only: media are replicated, and each process would bring its own.
 """
 from __future__ import annotations
 
-import flax.linen as nn
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from k25jax import losses
 from k25jax.data import mixture, vision as vision_data
 from k25jax.model import k25, media as media_lib, vision
 from k25jax.model.config import K25Config
-from k25jax.train import checkpoint, sharding, state as state_lib
+from k25jax.train import sharding
 
 TEXT_FEATURES = mixture.FEATURES
+MEDIA = ("pixel_values", "layout")
 
 
 def check_single_process(stage: str) -> None:
@@ -58,19 +59,26 @@ def device_features(features: dict, cfg: K25Config, max_patches: int) -> dict[st
   return out
 
 
-def batch_specs(with_media: bool) -> dict:
-  """PartitionSpecs of a device batch: text features over the batch axes and `sequence`,
-  media replicated."""
-  specs = {name: P(sharding.BATCH_AXES, "sequence") for name in TEXT_FEATURES}
+def batch_specs(with_media: bool, names: Sequence[str] = TEXT_FEATURES) -> dict:
+  """PartitionSpecs of a device batch: the [batch, seq] features `names` over the batch axes
+  and `sequence`, media (pixel_values, layout) replicated."""
+  specs = {name: P(sharding.BATCH_AXES, "sequence") for name in names}
   if with_media:
-    specs.update(pixel_values=P(), layout=P())
+    specs.update({name: P() for name in MEDIA})
   return specs
 
 
 def to_device(batch: dict, mesh: jax.sharding.Mesh) -> dict:
-  specs = batch_specs("pixel_values" in batch)
+  """The host batch on `mesh`, laid out by `batch_specs` of its own features."""
+  specs = batch_specs("pixel_values" in batch, [name for name in batch if name not in MEDIA])
   return {name: jax.tree.map(lambda x, s=specs[name]: jax.device_put(x, NamedSharding(mesh, s)), value)
           for name, value in batch.items()}
+
+
+def media_step(with_media, text_only):
+  """One step for device batches with media and one for text-only batches (each its own
+  compilation), chosen per batch."""
+  return lambda state, batch: (with_media if "pixel_values" in batch else text_only)(state, batch)
 
 
 def answer_metrics(logits: jax.Array, batch: dict) -> dict[str, jax.Array]:
@@ -84,65 +92,6 @@ def answer_metrics(logits: jax.Array, batch: dict) -> dict[str, jax.Array]:
   seg_scored, seg_wrong = jnp.maximum(seg_scored, 0), jnp.maximum(seg_wrong, 0)
   return {"answer_exact_count": jnp.sum(seg_scored * (1 - seg_wrong)).astype(jnp.float32),
           "answer_count": jnp.sum(seg_scored).astype(jnp.float32)}
-
-
-def make_loss(config, model: k25.K25, frozen: tuple[str, ...] = ()):
-  """loss_fn(params, batch, rng) -> (L, (metrics, aux)); `frozen` top-level params get no
-  gradient (`stop_gradient`: their weight gradients are never computed)."""
-
-  def loss_fn(params, batch, rng):
-    del rng
-    params = {name: jax.lax.stop_gradient(p) if name in frozen else p for name, p in params.items()}
-    logits, aux = model.apply({"params": params}, batch["inputs"], batch.get("pixel_values"),
-                              batch.get("layout"), batch["positions"], batch["segment_ids"])
-    loss, metrics = losses.next_token_loss(logits, batch["targets"], batch["loss_mask"], z_loss=config.train.z_loss)
-    loss = loss + config.train.balance_loss_alpha * aux["balance_loss"]
-    metrics = dict(metrics, balance_loss=aux["balance_loss"], max_attention_logit=jnp.max(aux["max_logits"]),
-                   media_mismatch=jnp.asarray(aux.get("media_mismatch", False), jnp.float32),
-                   **answer_metrics(logits, batch))
-    return loss, (metrics, aux)
-
-  return loss_fn
-
-
-def abstract_state(model_cfg: K25Config, tx):
-  return state_lib.abstract(k25.abstract_params(model_cfg), tx)
-
-
-def init_state(config, model_cfg: K25Config, tx, mesh):
-  """(create, target): `create(params=None)` makes a fresh state with its shardings, from
-  `params` or a random init; `target` is its shapes and shardings, to restore into."""
-  abstract = abstract_state(model_cfg, tx)
-  shardings = sharding.logical_to_sharding(abstract, mesh)
-  param_rng, state_rng = jax.random.split(jax.random.PRNGKey(config.train.seed))
-  fresh = jax.jit(lambda: state_lib.create(k25.init_params(model_cfg, param_rng), tx, state_rng),
-                  out_shardings=shardings)
-  given = jax.jit(lambda params: state_lib.create(params, tx, state_rng), out_shardings=shardings)
-  create = lambda params=None: fresh() if params is None else given(params)
-  return create, checkpoint.abstract_target(jax.eval_shape(fresh), shardings)
-
-
-def initial_params(config, model_cfg: K25Config, mesh):
-  """Params to start a fresh run from, or None (random init): `train.init_from`, a K2.5 stage's
-  workdir (all params), else `train.init_lm_from`, a text pretrain workdir (the language
-  model; the rest random)."""
-  if config.train.init_from:
-    return checkpoint.Checkpoints(config.train.init_from, keep=1).restore_params(params_target(model_cfg, mesh))
-  if config.train.init_lm_from:
-    lm = checkpoint.Checkpoints(config.train.init_lm_from, keep=1).restore_params(
-        params_target(model_cfg, mesh, "language_model"))
-    fresh = jax.jit(k25.init_params, static_argnums=0)(model_cfg, jax.random.PRNGKey(config.train.seed))
-    return {**fresh, "language_model": lm}
-  return None
-
-
-def params_target(model_cfg: K25Config, mesh, part: str | None = None):
-  """ShapeDtypeStructs with shardings of the params (or of `params[part]`) to restore into."""
-  boxed = k25.abstract_params(model_cfg)
-  if part is not None:
-    boxed = boxed[part]
-  shardings = sharding.logical_to_sharding(boxed, mesh)
-  return checkpoint.abstract_target(nn.meta.unbox(boxed), shardings)
 
 
 def evaluate(eval_step, state, batches: list[dict]) -> dict[str, float]:

@@ -9,8 +9,7 @@ from __future__ import annotations
 import jax
 import optax
 
-from k25jax.model.moe import ROUTER_BIAS
-from k25jax.optim import muonclip, routing
+from k25jax.optim import muonclip, partition
 
 OPTIMIZERS = ("adamw", "muonclip")
 
@@ -34,20 +33,15 @@ def wsd_schedule(lr: float, total_steps: int, warmup_steps: int, decay_steps: in
   return optax.join_schedules([warmup, stable, decay], [warmup_steps, total_steps - decay_steps])
 
 
-def is_router_bias(path) -> bool:
-  return any(getattr(key, "key", None) == ROUTER_BIAS for key in path)
-
-
-def labels(params):
-  """'frozen' for the router biases, 'train' for every other leaf."""
-  return jax.tree_util.tree_map_with_path(lambda path, _: "frozen" if is_router_bias(path) else "train",
-                                          params)
+def adamw_labels(params):
+  """`partition.FROZEN` for the router biases, "train" for every other leaf (AdamW alone)."""
+  return jax.tree.map(lambda label: label if label == partition.FROZEN else "train", partition.labels(params))
 
 
 def decay_mask(params):
   """Weight decay on matrices (kernels, embeddings, experts), not on norms or vectors
   (per layer: a scanned layer stack's norms are vectors too)."""
-  return routing.matrix_mask(params)
+  return partition.matrix_mask(params)
 
 
 def make_optimizer(opt, total_steps: int) -> optax.GradientTransformation:
@@ -62,7 +56,7 @@ def make_optimizer(opt, total_steps: int) -> optax.GradientTransformation:
   else:
     adamw = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
                         mask=decay_mask)
-    update = optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
+    update = optax.multi_transform({"train": adamw, partition.FROZEN: optax.set_to_zero()}, adamw_labels)
   return optax.chain(optax.clip_by_global_norm(opt.grad_clip), update)
 
 

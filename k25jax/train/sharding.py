@@ -133,3 +133,13 @@ def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
 def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
   """Global arrays from this process's rows (all rows when there is one process)."""
   return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local)
+
+
+def check_batch(mesh: jax.sharding.Mesh, rows: int, field: str) -> None:
+  """A config error, naming `field`, unless `rows` split evenly over the mesh's batch axes
+  (data x fsdp x expert) and over the processes."""
+  shards = int(np.prod([mesh.shape[axis] for axis in BATCH_AXES]))
+  for divisor, what in ((shards, "batch shards of the mesh (data x fsdp x expert)"),
+                        (jax.process_count(), "processes")):
+    if rows % divisor:
+      raise ValueError(f"{field}={rows} must divide evenly over the {divisor} {what}")

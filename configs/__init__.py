@@ -1,0 +1,1 @@
+"""Stage configs: one file per stage, `get_config(arg)` returning an ml_collections.ConfigDict."""

@@ -1,0 +1,105 @@
+"""What every stage config shares: the model, optimizer, mesh and init sections, and the
+one convention for where a run starts and how long it runs.
+
+Configs are data: this module imports `ml_collections` and the model presets
+(`k25jax/model/config.py`, plain dataclasses), never jax.
+
+Where a run starts (`init`), the same in every stage:
+  init.checkpoint       a workdir of a run of the same model, any stage: the run starts
+                        from its latest params ('' = a fresh init, or the stage's built-in
+                        warm start where it has one: rl, parl)
+  init.text_checkpoint  (K2.5 stages only) a text-only run's workdir (configs/pretrain.py):
+                        the language model starts from its params, the rest fresh
+A run always resumes from its own workdir's latest checkpoint first; `init` only
+chooses the params of a run that has none yet.
+
+How long a run is (`train`), the same in every stage:
+  train.steps           supervised stages: optimizer steps; RL stages (rl, rl_vision, parl):
+                        iterations, each one round of rollouts then `rl.minibatches` updates
+  train.log_every, eval_every, checkpoint_every   in those steps (and at the last one)
+  train.keep_checkpoints, train.seed
+"""
+import dataclasses
+
+import ml_collections
+
+from k25jax.model import config as model_config
+
+# The tiny K2.5 chat model of the sft and rl_vision stages: a ~0.5M-param K2 decoder over the
+# chat vocabulary (bytes, media, role and tool tokens: 268 ids, `k25jax.data.chat`), long
+# enough for the zero-vision trajectories and a few tool turns.
+CHAT_VOCAB_SIZE = 268
+TINY_CHAT_TEXT = dict(vocab_size=CHAT_VOCAB_SIZE, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                      q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32,
+                      max_position_embeddings=512)
+
+# The synthetic vision tasks (`k25jax.data.visual_synthetic.TASKS`).
+VISUAL_TASKS = ("caption", "count", "read", "chart", "motion")
+
+
+def preset_and_switches(arg, path: str, presets: tuple[str, ...], switches: tuple[str, ...] = ()
+                        ) -> tuple[str, set[str]]:
+  """`arg` = "preset[,switch,...]" (default: the first preset) → (preset, switches); an
+  unknown name fails, naming the config file."""
+  parts = (arg or presets[0]).split(",")
+  preset, chosen = parts[0], set(parts[1:])
+  if preset not in presets:
+    raise ValueError(f"{path}: unknown preset {preset!r}; choose from {presets}")
+  if chosen - set(switches):
+    raise ValueError(f"{path}: unknown switches {sorted(chosen - set(switches))}; known: {switches}")
+  return preset, chosen
+
+
+def model_section(preset: str, **overrides) -> ml_collections.ConfigDict:
+  """The `model` section of a text-only stage: the preset's name and every `ModelConfig`
+  field at the preset's value (so `--config.model.num_hidden_layers=2` overrides one field
+  and a misspelt field fails)."""
+  fields = dataclasses.asdict(model_config.preset(preset, **overrides))
+  return ml_collections.ConfigDict({"preset": preset, **fields})
+
+
+def k25_model_section(preset: str, **text_overrides) -> ml_collections.ConfigDict:
+  """The `model` section of a K2.5 stage: every `ModelConfig` field under `text`, every
+  `VisionConfig` field under `vision`, and the projector's LayerNorm eps."""
+  cfg = model_config.k25_preset(preset)
+  text = dataclasses.asdict(cfg.text.replace(**text_overrides))
+  vision = dataclasses.asdict(cfg.vision)
+  return ml_collections.ConfigDict({"preset": preset, "text": text, "vision": vision,
+                                    "projection_layer_norm_eps": cfg.projection_layer_norm_eps})
+
+
+def init_section(k25: bool = False) -> ml_collections.ConfigDict:
+  """Where a fresh run starts (module docstring)."""
+  fields = dict(checkpoint="")
+  if k25:
+    fields["text_checkpoint"] = ""
+  return ml_collections.ConfigDict(fields)
+
+
+def adamw_section(lr: float, warmup_steps: int, decay_steps: int, *, weight_decay: float = 0.0,
+                  b2: float = 0.95, grad_clip: float = 1.0) -> ml_collections.ConfigDict:
+  """An `optimizer` section for AdamW under the warmup–stable–decay schedule."""
+  return ml_collections.ConfigDict(dict(name="adamw", lr=lr, warmup_steps=warmup_steps, decay_steps=decay_steps,
+                                        final_lr_ratio=0.1, b1=0.9, b2=b2, eps=1e-8, weight_decay=weight_decay,
+                                        grad_clip=grad_clip))
+
+
+def mesh_section(**sizes) -> ml_collections.ConfigDict:
+  """Device counts per mesh axis (-1 takes the devices left over); data-parallel by default."""
+  return ml_collections.ConfigDict({**dict(data=-1, fsdp=1, expert=1, sequence=1, tensor=1), **sizes})
+
+
+def policy_loss_section() -> ml_collections.ConfigDict:
+  """The `loss` section of the RL stages (`k25jax.rl.policy_loss`)."""
+  return ml_collections.ConfigDict(dict(
+      name="k25",                      # k25 | ppo | grpo | cispo
+      alpha=-0.5, beta=0.5, tau=0.01,  # K2.5: band [alpha, beta] on the log ratio, squared log-ratio penalty
+      normalize="batch",               # batch | group
+      eps=0.2, eps_high=0.28))         # clip ranges of the ablation losses
+
+
+def sandbox_section(sessions: int) -> ml_collections.ConfigDict:
+  """The sandboxed Python tool (`k25jax.agents.sandbox`): sessions and per-call limits."""
+  return ml_collections.ConfigDict(dict(sessions=sessions, cpu_s=2.0, wall_s=10.0, memory_mb=512,
+                                        output_chars=120))

@@ -1,0 +1,62 @@
+"""One batched decode over `sampler.generate` for every caller: plain RL, tool rollouts, the swarm.
+
+Contexts (token lists of different lengths) are right-padded into one [rows, width] batch
+and decoded in ONE sampler call, each row at its own positions:
+
+    width = the longest context rounded up to `width_multiple`, at most max_positions − max_new_tokens
+    rows  = len(contexts), or (bucket_rows) the next power of two, at least `min_rows`
+
+so a run sees few distinct shapes and the sampler compiles a few times, not once per call.
+Padding rows are one pad token long; what they generate is dropped.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from k25jax.model.config import ModelConfig
+from k25jax.rl import sampler
+
+# media_for(prompts [rows, width]) -> (features, placeholder mask): a K2.5 prompt's images (`sampler.generate`).
+MediaFor = Callable[[np.ndarray], tuple]
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+def pad(contexts: Sequence[Sequence[int]], cfg: ModelConfig, sampling: sampler.SamplingConfig, *,
+        width_multiple: int = 1, min_rows: int = 1, bucket_rows: bool = True) -> tuple[np.ndarray, np.ndarray]:
+  """Right-padded prompts [rows, width] and their lengths (module docstring). Raises
+  ValueError when a context leaves no room for `max_new_tokens`."""
+  longest = max(len(c) for c in contexts)
+  width = min(_round_up(longest, width_multiple), cfg.max_position_embeddings - sampling.max_new_tokens)
+  if longest > width:
+    raise ValueError(f"a context of {longest} tokens leaves no room for {sampling.max_new_tokens} new ones in "
+                     f"max_position_embeddings={cfg.max_position_embeddings}")
+  rows = max(1 << (len(contexts) - 1).bit_length(), min_rows) if bucket_rows else len(contexts)
+  prompts = np.full((rows, width), sampling.pad_id, np.int32)
+  lengths = np.ones(rows, np.int32)
+  for i, c in enumerate(contexts):
+    prompts[i, :len(c)], lengths[i] = c, len(c)
+  return prompts, lengths
+
+
+def decode(cfg: ModelConfig, params, contexts: Sequence[Sequence[int]], rng: jax.Array,
+           sampling: sampler.SamplingConfig, *, width_multiple: int = 1, min_rows: int = 1, bucket_rows: bool = True,
+           media_for: MediaFor | None = None) -> dict[str, np.ndarray]:
+  """One sampler call for all `contexts` (`pad`'s layout; `media_for` gives the padded rows'
+  media). Returns the sampler's host arrays for the contexts' rows: tokens and logprobs
+  [n, max_new_tokens], lengths [n]."""
+  prompts, lengths = pad(contexts, cfg, sampling, width_multiple=width_multiple, min_rows=min_rows,
+                         bucket_rows=bucket_rows)
+  media = media_for(prompts) if media_for is not None else None
+  out = jax.device_get(sampler.generate(cfg, params, prompts, lengths, rng, sampling, media=media))
+  return {name: np.asarray(value)[:len(contexts)] for name, value in out.items()}
+
+
+def turns(out: dict[str, np.ndarray]) -> list[tuple[list[int], list[float]]]:
+  """Each row's generated (tokens, log-probs), up to and with its stop token."""
+  return [(out["tokens"][i, :n].tolist(), out["logprobs"][i, :n].tolist()) for i, n in enumerate(out["lengths"])]

@@ -1,0 +1,125 @@
+"""The one RL driver: iterations of rollouts → group advantages → loss rows → minibatch updates.
+
+Per iteration i < train.steps, for P prompts (tasks) × K samples (episodes), with the
+stage's `collect` and `evaluate`:
+
+    rollouts = collect(θ, i)           P·K rollouts, each prompt's K consecutive: loss rows
+                                       (rollout.loss_rows), rewards r_j, the stage's metrics
+    A_j      = r_j − mean_k r_k        (losses.group_advantages: no std, no value model)
+    θ       ← θ − η ∇L(θ)              the policy loss of `loss.name` (k25jax.rl.policy_loss) over
+                                       `rl.minibatches` slices in order, each holding whole groups
+    evaluate(θ) at iteration 0 and every train.eval_every; logs every train.log_every; a
+    checkpoint every train.checkpoint_every (each also at the last iteration, `loop.due`)
+
+The train state counts optimizer updates: a resumed run continues at iteration
+state.step // rl.minibatches. A stage's `run` is: task, model and start → `Trainer` →
+`train(trainer, state, config, collect=..., evaluate=...)`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+
+from k25jax import losses
+from k25jax.rl import policy_loss
+from k25jax.train import loop, optimizer, sharding
+
+
+@dataclasses.dataclass
+class Rollouts:
+  """One iteration's rollouts: `rows` [n, seq] (rollout.loss_rows), `rewards` [n] (what the
+  advantages come from), `metrics` logged with the iteration, and per-row `media` items
+  when the rows carry images (the stage's `to_device` places them)."""
+
+  rows: dict[str, np.ndarray]
+  rewards: np.ndarray
+  metrics: dict[str, float]
+  media: list | None = None
+
+
+def check(config: ml_collections.ConfigDict) -> None:
+  """Errors of the rl section that the driver would otherwise meet mid-run, naming the field."""
+  rl = config.rl
+  if rl.num_generations < 2:
+    raise ValueError(f"rl.num_generations={rl.num_generations}: group advantages need K >= 2 samples per prompt "
+                     "(an empty group has no baseline)")
+  rollouts = rl.prompts_per_iteration * rl.num_generations
+  if rollouts % rl.minibatches or (rollouts // rl.minibatches) % rl.num_generations:
+    raise ValueError(f"rl.minibatches={rl.minibatches} must split the {rollouts} rollouts per iteration into "
+                     f"minibatches of whole groups of rl.num_generations={rl.num_generations}")
+
+
+def make_optimizer(config: ml_collections.ConfigDict):
+  """The `optimizer` section over train.steps × rl.minibatches updates."""
+  return optimizer.make_optimizer(config.optimizer, config.train.steps * config.rl.minibatches)
+
+
+def _fmt(metrics: dict, keys: Sequence[str] | None) -> str:
+  keys = metrics if keys is None else [k for k in keys if k in metrics]
+  return "  ".join(f"{k} {metrics[k]:.3f}" for k in keys)
+
+
+def train(trainer, state, config: ml_collections.ConfigDict, *, collect: Callable[[object, int], Rollouts],
+          evaluate: Callable[[object], dict] | None, name: str, log_keys: Sequence[str],
+          eval_keys: Sequence[str] | None = None, summary_keys: Sequence[str] = (), banned: Sequence[int] = (),
+          batch_specs=None, to_device: Callable[[dict, Rollouts, slice], dict] | None = None):
+  """Runs iterations from the state's to `train.steps` (module docstring). `banned` ids are
+  outside the sampler's distribution (and so outside log π); `batch_specs` / `to_device`
+  lay out minibatches with media. Returns (state, history): a row per iteration
+  ({"iteration", "split": "train", update and stage metrics}) and per evaluation. The stage
+  has `check`ed the config before its setup."""
+  rl, schedule = config.rl, config.train
+  loss_fn = policy_loss.make_loss(trainer.model, config.loss, group_size=rl.num_generations,
+                                  temperature=rl.temperature, banned=banned)
+  train_step = trainer.train_step(loss_fn, router_bias_rate=schedule.router_bias_rate,
+                                  qk_clip_tau=optimizer.qk_clip_tau(config.optimizer), batch_specs=batch_specs)
+  if to_device is None:
+    rows_sharding = sharding.batch_sharding(trainer.mesh)
+    to_device = lambda rows, rollouts, part: sharding.global_batch(rows, rows_sharding)
+  history = []
+
+  def run_evaluation(iteration: int, params) -> None:
+    metrics = evaluate(params)
+    logging.info("%s eval at iteration %d: %s", name, iteration, _fmt(metrics, eval_keys))
+    trainer.writer.write(iteration, metrics, "eval")
+    history.append({"iteration": iteration, "split": "eval", **metrics})
+
+  first = int(state.step) // rl.minibatches
+  if first == 0 and evaluate is not None:
+    run_evaluation(0, state.params)
+  for it in range(first, schedule.steps):
+    start = time.perf_counter()
+    rollouts = collect(state.params, it)
+    sample_s = time.perf_counter() - start
+    advantages = np.asarray(losses.group_advantages(rollouts.rewards, rl.num_generations), np.float32)
+    seq = rollouts.rows["mask"].shape[1]
+    rows = {**rollouts.rows, "advantages": np.repeat(advantages[:, None], seq, axis=1),
+            "rewards": np.repeat(np.asarray(rollouts.rewards, np.float32)[:, None], seq, axis=1)}
+    size = len(advantages) // rl.minibatches
+    start = time.perf_counter()
+    for m in range(rl.minibatches):
+      part = slice(m * size, (m + 1) * size)
+      state, metrics = train_step(state, to_device({k: v[part] for k, v in rows.items()}, rollouts, part))
+    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    train_s = time.perf_counter() - start
+    row = {"iteration": it + 1, "split": "train", **metrics, **rollouts.metrics, "sample_s": sample_s,
+           "train_s": train_s, "train_tokens_per_s": float(rows["segment_ids"].sum() / train_s)}
+    history.append(row)
+    trainer.writer.write(it + 1, {k: v for k, v in row.items() if k not in ("iteration", "split")}, "train")
+    if loop.due(it + 1, schedule.log_every, schedule.steps):
+      logging.info("%s iteration %d/%d  %s", name, it + 1, schedule.steps, _fmt(row, log_keys))
+    if evaluate is not None and loop.due(it + 1, schedule.eval_every, schedule.steps):
+      run_evaluation(it + 1, state.params)
+    if loop.due(it + 1, schedule.checkpoint_every, schedule.steps):
+      trainer.save(it + 1, state)
+  evals = [h for h in history if h["split"] == "eval"]
+  if evals and summary_keys:
+    logging.info("%s summary: %s", name, ", ".join(f"{k} {evals[0][k]:.3f} → {evals[-1][k]:.3f}"
+                                                  for k in summary_keys if k in evals[0]))
+  return state, history

@@ -1,0 +1,77 @@
+"""Joint vision–text training of the K2.5 model: the recipe of the pretrain:joint and midtrain stages.
+
+Per step, with packed rows (segment_ids, positions) that mix text with synthetic vision
+samples (`k25jax.data.mixture`), the vision share by tokens following `data.vision_ratio` /
+`vision_schedule` / `vision_start` (constant from step 0 is early fusion, a late start late
+fusion), and loss mask w (vision samples put it on their answers):
+
+    L = CE(θ) + z · mean_t (log Z_t)² + α · L_balance          (objective.next_token)
+    θ ← AdamW or MuonClip(θ, ∇L)   (router biases excluded),   b_l ← b_l + γ · sign(mean(load_l) − load_l)
+
+Every part of the model trains. Evaluation: held-out text loss, and the loss and
+`answer_exact` of held-out vision samples (`vision_*`).
+"""
+from __future__ import annotations
+
+import ml_collections
+from absl import logging
+
+from k25jax.data import mixture, sources
+from k25jax.model import k25
+from k25jax.model.config import K25Config
+from k25jax.train import multimodal, objective, optimizer, sharding, trainer as trainer_lib
+
+
+def schedule(config: ml_collections.ConfigDict) -> mixture.VisionSchedule:
+  return mixture.VisionSchedule(config.data.vision_ratio, config.data.vision_schedule, config.data.vision_start)
+
+
+def datasets(config: ml_collections.ConfigDict, tok):
+  """(train mixture, held-out text batches, held-out vision batches)."""
+  train_docs, eval_docs = sources.split(sources.load(config.data.source, config.data.max_doc_chars),
+                                        config.data.eval_every)
+  kw = dict(tok=tok, tasks=config.data.vision_tasks, batch=config.train.batch, seq_len=config.train.seq_len,
+            total_steps=config.train.steps, max_patches=config.data.max_patches)
+  train = mixture.mixture(docs=train_docs, schedule=schedule(config), seed=config.train.seed, **kw)
+  text = mixture.mixture(docs=eval_docs, schedule=mixture.VisionSchedule(0.0), seed=config.train.seed,
+                         shuffle=False, **kw)
+  vision = mixture.mixture(docs=None, schedule=mixture.VisionSchedule(1.0), seed=config.train.seed + 1, **kw)
+  return (train, [next(text) for _ in range(config.train.eval_batches)],
+          [next(vision) for _ in range(config.data.vision_eval_batches)])
+
+
+def evaluate(eval_steps, state, text_batches, vision_batches) -> dict[str, float]:
+  """Held-out text loss/accuracy, and `vision_*` metrics of held-out vision samples."""
+  out = multimodal.evaluate(eval_steps[False], state, text_batches)
+  out.pop("answer_exact", None)
+  vision = multimodal.evaluate(eval_steps[True], state, vision_batches)
+  return {**out, **{f"vision_{k}": v for k, v in vision.items()}}
+
+
+def run(config: ml_collections.ConfigDict, workdir: str, model_cfg: K25Config, tok):
+  """Joint training of `model_cfg` to `train.steps`, from `init` or the workdir; with
+  train.eval_batches = data.vision_eval_batches = 0 it does not evaluate. Returns (state, history)."""
+  multimodal.check_single_process(config.stage)
+  model = k25.K25(model_cfg)
+  mesh = sharding.make_mesh(config.mesh.to_dict())
+  trainer_lib.check_rows(config, tok, model, mesh)
+  train_data, text_eval, vision_eval = datasets(config, tok)
+  tx = optimizer.make_optimizer(config.optimizer, config.train.steps)
+  with trainer_lib.Trainer.for_config(config, workdir, model, tx, mesh) as trainer:
+    prepare = lambda b: multimodal.to_device(multimodal.device_features(b, model_cfg, config.data.max_patches),
+                                             trainer.mesh)
+    state = trainer.start(config.init, train_data)
+    plan = schedule(config)
+    logging.info("%s: joint vision–text, vision share %s %.2f from %.0f%% of the steps (overall %.3f), "
+                 "mesh %s, starting at step %d", config.stage, plan.kind, plan.ratio, 100 * plan.start,
+                 plan.overall_share, dict(trainer.mesh.shape), int(state.step))
+    loss_fn = objective.next_token(model, z_loss=config.train.z_loss, balance_loss_alpha=config.train.balance_loss_alpha)
+    steps = {media: trainer.train_step(loss_fn, router_bias_rate=config.train.router_bias_rate,
+                                       qk_clip_tau=optimizer.qk_clip_tau(config.optimizer),
+                                       batch_specs=multimodal.batch_specs(media)) for media in (True, False)}
+    eval_steps = {media: trainer.eval_step(loss_fn, multimodal.batch_specs(media)) for media in (False, True)}
+    text_batches, vision_batches = [prepare(b) for b in text_eval], [prepare(b) for b in vision_eval]
+    return trainer.fit(state, multimodal.media_step(steps[True], steps[False]), lambda _: prepare(next(train_data)),
+                       config.train, tokens_per_step=config.train.batch * config.train.seq_len,
+                       evaluate=(lambda s: evaluate(eval_steps, s, text_batches, vision_batches))
+                       if text_batches and vision_batches else None, data_iterator=train_data)

@@ -1,0 +1,58 @@
+"""The supervised objective, for the K2 decoder and the K2.5 model alike.
+
+    logits, aux = forward(model, θ, batch)        K2.5: with the batch's media when it has any
+    L = CE(θ) + z · mean_t (log Z_t)² + α · L_balance          (losses.next_token_loss)
+
+CE is the loss-masked next-token cross-entropy over packed rows (segment_ids, positions).
+Metrics beside L: the MoE balance loss, the largest attention logit, the most loaded
+expert over the mean load; for K2.5 whether the placeholders matched the media, and
+on batches with vision samples (`is_vision`) how many whole answers are exact.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from k25jax import losses
+from k25jax.model import k25, transformer
+from k25jax.train import multimodal
+
+
+def forward(model: transformer.Transformer | k25.K25, params, batch: dict):
+  """(logits, aux) of `model` on a batch of packed rows (`inputs`, `positions`, `segment_ids`;
+  for K2.5 also `pixel_values` and `layout` when the batch has media)."""
+  if isinstance(model, k25.K25):
+    return model.apply({"params": params}, batch["inputs"], batch.get("pixel_values"), batch.get("layout"),
+                       batch["positions"], batch["segment_ids"])
+  return model.apply({"params": params}, batch["inputs"], batch["positions"], batch["segment_ids"])
+
+
+def model_metrics(aux: dict) -> dict[str, jax.Array]:
+  """Balance loss, max attention logit and max/mean expert load of a forward's aux."""
+  load = aux["expert_load"]
+  return {"balance_loss": aux["balance_loss"], "max_attention_logit": jnp.max(aux["max_logits"]),
+          "expert_load_max_over_mean": jnp.max(load / jnp.maximum(load.mean(-1, keepdims=True), 1.0))
+          if load.shape[0] else jnp.zeros(())}
+
+
+def next_token(model: transformer.Transformer | k25.K25, *, z_loss: float = 0.0, balance_loss_alpha: float = 0.0,
+               frozen: tuple[str, ...] = ()):
+  """loss_fn(params, batch, rng) -> (L, (metrics, aux)), the equation above (α = 0 leaves the
+  balance term out). `frozen` top-level params get no gradient (`stop_gradient`: their
+  weight gradients are never computed)."""
+
+  def loss_fn(params, batch, rng):
+    del rng  # deterministic forward pass
+    params = {name: jax.lax.stop_gradient(p) if name in frozen else p for name, p in params.items()}
+    logits, aux = forward(model, params, batch)
+    loss, metrics = losses.next_token_loss(logits, batch["targets"], batch["loss_mask"], z_loss=z_loss)
+    if balance_loss_alpha:
+      loss = loss + balance_loss_alpha * aux["balance_loss"]
+    metrics = {**metrics, **model_metrics(aux)}
+    if isinstance(model, k25.K25):
+      metrics["media_mismatch"] = jnp.asarray(aux.get("media_mismatch", False), jnp.float32)
+      if "is_vision" in batch:
+        metrics.update(multimodal.answer_metrics(logits, batch))
+    return loss, (metrics, aux)
+
+  return loss_fn
