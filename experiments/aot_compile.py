@@ -33,7 +33,6 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
@@ -44,8 +43,7 @@ sys.path.insert(0, ROOT)
 from k25jax.model import config as model_config  # noqa: E402
 from k25jax.model import transformer  # noqa: E402
 from k25jax.stages import pretrain  # noqa: E402
-from k25jax.train import checkpoint, config_utils, optimizer, sharding  # noqa: E402
-from k25jax.train import state as state_lib  # noqa: E402
+from k25jax.train import config_utils, optimizer, sharding, trainer as trainer_lib  # noqa: E402
 
 # HBM per chip in bytes, by `device_kind`.
 HBM = {"TPU v5": 95e9, "TPU v5p": 95e9, "TPU v5 lite": 16e9, "TPU v5e": 16e9, "TPU v4": 32e9,
@@ -87,12 +85,6 @@ def target_model_config(section, platform: str) -> model_config.ModelConfig:
   return cfg.replace(**changes)
 
 
-def abstract_state(model: transformer.Transformer, tx, mesh):
-  """The train state as ShapeDtypeStructs with their shardings (nothing allocated or run)."""
-  boxed = state_lib.abstract(transformer.abstract_params(model.cfg), tx)
-  return checkpoint.abstract_target(nn.meta.unbox(boxed), sharding.logical_to_sharding(boxed, mesh))
-
-
 def abstract_batch(batch: int, seq_len: int, mesh) -> dict:
   spec = sharding.batch_sharding(mesh)
   return {name: jax.ShapeDtypeStruct((batch, seq_len), dtype, sharding=spec) for name, dtype in BATCH_FIELDS.items()}
@@ -111,7 +103,7 @@ def compile_step(config, devices, mesh_sizes: dict, remat: str, compiler_options
   tx = optimizer.make_optimizer(config.optimizer, config.train.steps)
   start = time.perf_counter()
   with jax.set_mesh(mesh):
-    state = abstract_state(model, tx, mesh)
+    state = trainer_lib.state_target(model, tx, mesh)   # ShapeDtypeStructs with shardings, nothing allocated
     step = pretrain.make_step(config, model, tx)
     lowered = step.lower(state, abstract_batch(config.train.batch, config.train.seq_len, mesh))
     compiled = lowered.compile(compiler_options)
@@ -138,7 +130,7 @@ def compile_step(config, devices, mesh_sizes: dict, remat: str, compiler_options
 
 def analytic_flops(cfg: model_config.ModelConfig, batch: int, seq_len: int) -> float:
   """6 · active params · tokens + causal attention (12 · layers · heads · head dims · s² / 2 per row)."""
-  active = model_config.count_params(cfg)["active"]
+  active = model_config.param_counts(cfg)["active"]
   attention = (6 * cfg.num_hidden_layers * cfg.num_attention_heads
                * (cfg.qk_head_dim + cfg.v_head_dim) * seq_len * seq_len * batch) // 2
   return 6.0 * active * batch * seq_len + attention
@@ -186,7 +178,7 @@ def main():
   cfg = config_utils.model_config_from(config.model)
   print(f"{args.config} on {args.topology}: {len(devices)} × {devices[0].device_kind}; global batch "
         f"{config.train.batch} × {config.train.seq_len} = {config.train.batch * config.train.seq_len:,} tokens; "
-        f"{model_config.count_params(cfg)['total'] / 1e9:.1f}B params; optimizer {config.optimizer.name}",
+        f"{model_config.param_counts(cfg)['total'] / 1e9:.1f}B params; optimizer {config.optimizer.name}",
         flush=True)
   rows = []
   for mesh_sizes in layouts:

@@ -36,7 +36,6 @@ import platform
 import statistics
 import time
 
-import flax.linen as nn
 import jax
 import numpy as np
 
@@ -44,7 +43,7 @@ from k25jax.agents import dsl, swarm, widesearch
 from k25jax.model import transformer
 from k25jax.rl import sampler
 from k25jax.stages import parl
-from k25jax.train import checkpoint, config_utils, sharding
+from k25jax.train import config_utils
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 LAYOUTS = ((1, 1), (1, 4), (2, 8), (16, 1))   # (episodes, sub-agents per episode)
@@ -55,16 +54,12 @@ def load_config():
 
 
 def subagent_params(config, model_cfg, workdir: str | None):
-  """The frozen sub-agent: DIR/warm_start's params (what a configs/parl.py run uses), or random init."""
+  """The frozen sub-agent: DIR/warm_start's params (what a configs/parl.py run uses,
+  `parl.frozen_subagents`), or random init."""
   if not workdir:
     return transformer.init_params(model_cfg, jax.random.PRNGKey(0)), "random init"
-  boxed = transformer.abstract_params(model_cfg)
-  mesh = sharding.make_mesh(config.mesh.to_dict())
-  path = config.parl.subagent_checkpoint or os.path.join(workdir, "warm_start")
-  with jax.set_mesh(mesh):
-    target = checkpoint.abstract_target(nn.meta.unbox(boxed), sharding.logical_to_sharding(boxed, mesh))
-    params = checkpoint.Checkpoints(path, keep=1).restore_params(target)
-  return jax.device_get(params), path
+  path = config.parl.subagent_checkpoint or config.init.checkpoint or os.path.join(workdir, "warm_start")
+  return jax.device_get(parl.frozen_subagents(config, workdir)), path
 
 
 def bucket_length(n: int, multiple: int = 16) -> int:

@@ -25,18 +25,23 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import time
 
 import jax
 import numpy as np
 from absl import logging
 
-from k25jax.data import mixture, sources, tokenizer
-from k25jax.model import k25
-from k25jax.stages import pretrain
-from k25jax.train import config_utils, multimodal, optimizer, sharding, step
-
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+from configs import common  # noqa: E402
+from k25jax.data import mixture, sources, tokenizer  # noqa: E402
+from k25jax.model import k25  # noqa: E402
+from k25jax.stages import pretrain  # noqa: E402
+from k25jax.train import config_utils, joint, multimodal, objective, optimizer, sharding  # noqa: E402
+from k25jax.train import trainer as trainer_lib  # noqa: E402
+
 SETTINGS = {"early 10:90": (0.1, 0.0), "mid 20:80": (0.2, 0.5), "late 50:50": (0.5, 0.8)}
 TASKS = ("count", "caption")
 TEXT = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
@@ -46,7 +51,7 @@ TEXT = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermed
 
 def make_config(ratio: float, start: float, args):
   config = config_utils.load_config_file(os.path.join(ROOT, "configs", "pretrain.py"), "joint")
-  config.model = config_utils.k25_model_section("tiny", **TEXT)
+  config.model = common.k25_model_section("tiny", **TEXT)
   config.data.update(vision_ratio=ratio, vision_start=start, vision_tasks=TASKS, max_patches=1024)
   config.train.update(steps=args.steps, batch=8, seq_len=128, log_every=25, eval_every=args.steps // 4,
                       eval_batches=4, checkpoint_every=args.steps, keep_checkpoints=1, seed=args.seed)
@@ -59,7 +64,7 @@ def make_config(ratio: float, start: float, args):
 def measured_share(config, tok) -> float:
   """The vision share by tokens of the run's training batches (the same data the run reads)."""
   docs, _ = sources.split(sources.load(config.data.source, config.data.max_doc_chars), config.data.eval_every)
-  it = mixture.mixture(docs=docs, tok=tok, schedule=pretrain.joint_schedule(config), tasks=TASKS,
+  it = mixture.mixture(docs=docs, tok=tok, schedule=joint.schedule(config), tasks=TASKS,
                        batch=config.train.batch, seq_len=config.train.seq_len, total_steps=config.train.steps,
                        seed=config.train.seed, max_patches=config.data.max_patches)
   return mixture.vision_share(it, config.train.steps)
@@ -67,19 +72,19 @@ def measured_share(config, tok) -> float:
 
 def final_metrics(config, state, tok) -> dict[str, float]:
   """Held-out text loss; per-task answer loss and accuracy of held-out vision samples."""
-  model_cfg = config_utils.k25_config_from(config.model, tok.media)
+  model_cfg = config_utils.k25_config_from(config.model, tok)
+  model = k25.K25(model_cfg)
   mesh = sharding.make_mesh(config.mesh.to_dict())
-  _, text_eval, _ = pretrain.joint_datasets(config, tok)
+  _, text_eval, _ = joint.datasets(config, tok)
   kw = dict(docs=None, tok=tok, schedule=mixture.VisionSchedule(1.0), batch=config.train.batch,
             seq_len=config.train.seq_len, total_steps=1, seed=config.train.seed + 1,
             max_patches=config.data.max_patches)
   out = {}
   with jax.set_mesh(mesh):
     prepare = lambda b: multimodal.to_device(multimodal.device_features(b, model_cfg, config.data.max_patches), mesh)
-    abstract = multimodal.abstract_state(model_cfg, optimizer.make_optimizer(config.optimizer, config.train.steps))
-    loss = multimodal.make_loss(config, k25.K25(model_cfg))
-    steps = {media: step.make_eval_step(loss, abstract, batch_specs=multimodal.batch_specs(media))
-             for media in (False, True)}
+    tx = optimizer.make_optimizer(config.optimizer, config.train.steps)
+    loss = objective.next_token(model, z_loss=config.train.z_loss, balance_loss_alpha=config.train.balance_loss_alpha)
+    steps = {media: trainer_lib.eval_step(model, tx, loss, multimodal.batch_specs(media)) for media in (False, True)}
     text = multimodal.evaluate(steps[False], state, [prepare(b) for b in text_eval])
     out["text_loss"] = text["cross_entropy"]
     for task in TASKS:
@@ -136,7 +141,7 @@ def main():
     shutil.rmtree(workdir, ignore_errors=True)                # a fresh run, never a resume
     t0 = time.perf_counter()
     state, history = pretrain.run(config, workdir)
-    results[name] = dict(ratio=ratio, start=start, overall_share=pretrain.joint_schedule(config).overall_share,
+    results[name] = dict(ratio=ratio, start=start, overall_share=joint.schedule(config).overall_share,
                          measured_share=measured_share(config, tok), final=final_metrics(config, state, tok),
                          curves=[h for h in history if h["split"] == "eval"], seconds=time.perf_counter() - t0)
     print(f"{name}: {results[name]['final']}  ({results[name]['seconds']:.0f} s)", flush=True)

@@ -26,8 +26,7 @@ sys.path.insert(0, ROOT)
 
 from k25jax.data import chat, image_tasks, vision as vision_data  # noqa: E402
 from k25jax.model import k25, vision  # noqa: E402
-from k25jax.stages import sft  # noqa: E402
-from k25jax.train import checkpoint, config_utils, multimodal, sharding  # noqa: E402
+from k25jax.train import config_utils, sharding, trainer as trainer_lib  # noqa: E402
 
 
 def rms(x: np.ndarray) -> float:
@@ -40,9 +39,10 @@ def main():
     raise SystemExit(__doc__)
   config = config_utils.load_config_file(os.path.join(ROOT, "configs", "sft.py"), "tiny")
   tok = chat.ChatTokenizer()
-  cfg = sft.model_config(config, tok)
+  cfg = config_utils.k25_config_from(config.model, tok)
   mesh = sharding.make_mesh(config.mesh.to_dict())
-  tasks = image_tasks.make_tasks(8, 0, config.data.image_size, sft.kinds(config.data.kinds))
+  kinds = image_tasks.parse_kinds(config.data.kinds, "data.kinds")
+  tasks = image_tasks.make_tasks(8, 0, config.data.image_size, kinds)
   pixels, grids = vision_data.pack_media([vision_data.preprocess_image(t.image) for t in tasks])
   layout = vision.patch_layout(grids, cfg.vision)
   encode = jax.jit(lambda p: k25.K25(cfg).apply({"params": p}, jnp.asarray(pixels), layout,
@@ -50,8 +50,8 @@ def main():
   print(f"{'workdir':50s} {'text rms':>9s} {'media rms':>10s} {'ratio':>7s}")
   with jax.set_mesh(mesh):
     for workdir in workdirs:
-      params = checkpoint.Checkpoints(workdir, keep=1).restore_params(multimodal.params_target(cfg, mesh))
-      text = rms(params["language_model"]["embed_tokens"]["embedding"][:256])
+      params = trainer_lib.restore_params(k25.K25(cfg), workdir, mesh)
+      text = rms(params[k25.LANGUAGE_MODEL]["embed_tokens"]["embedding"][:256])
       media = rms(encode(params))
       print(f"{workdir:50s} {text:9.3f} {media:10.3f} {media / text:7.1f}")
 

@@ -6,20 +6,21 @@
 
 DIR is a finished `configs/parl.py` run; its SFT warm start (DIR/warm_start) is copied
 into a fresh workdir per run (out_dir/<variant>_s<seed>) and restored there through
-`warm_start.checkpoint`, so every run starts from the SAME params and nothing is
-retrained. Then the PARL RL stage (`k25jax.stages.parl.run`, configs/parl.py defaults
-otherwise) runs `--iterations` iterations with r = λ1 r_parallel + λ2 r_finish + r_perf:
+`init.checkpoint`, so every run starts from the SAME params and nothing is retrained.
+Then the PARL RL stage (`k25jax.stages.parl.run`, configs/parl.py defaults otherwise)
+runs `--iterations` iterations (`train.steps`) with r = λ1 r_parallel + λ2 r_finish + r_perf:
 * annealed: λ1, λ2 from the config's values to 0 over anneal_steps = round(anneal_fraction
-            × iterations), by default the config's own fraction (anneal_steps / rl.iterations);
+            × iterations), by default the config's own fraction (anneal_steps / train.steps);
 * constant: anneal_steps = 10**9 (`losses.anneal` clips t / total_steps to [0, 1], so
             λ stays within 1e-7 of its start value);
 * zero:     λ1 = λ2 = 0 (r = Item-F1 alone).
-`--seeds` sets rl.seed (the training tasks and the orchestrator's state rng; the rollout
+`--seeds` sets train.seed (the training tasks and the orchestrator's state rng; the rollout
 keys are the iteration's in every run, as in parl.run).
 
-Reports, on the config's held-out tasks (every --eval_every iterations as parl.run
-evaluates: the orchestrator sampled at rl.temperature with a fixed seed; at the end both
-sampled and greedy) and per training iteration (the sampled rollouts): Item-F1
+Reports, on the config's held-out tasks (at iteration 0, every --eval_every iterations and
+at the last, as parl.run evaluates: the orchestrator sampled at rl.temperature with a
+fixed seed; at the end both sampled and greedy) and per training iteration (the sampled
+rollouts; `iteration_s` = their sample_s + train_s): Item-F1
 (wide/deep), sub-agents created per episode (wide/deep), finish rate (Σ finished / Σ
 assigned), critical steps; and classifies each final policy as the paper does:
 * serial collapse: wide tasks with (almost) no sub-agents (< 0.5 per episode), or the
@@ -76,18 +77,18 @@ def anneal_fraction(args) -> float:
     return args.anneal_fraction
   config = load_config()
   config_utils.apply_overrides(config, args.set)
-  return config.parl.anneal_steps / config.rl.iterations
+  return config.parl.anneal_steps / config.train.steps
 
 
 def make_config(variant: str, seed: int, workdir: str, args):
   config = load_config()
   config_utils.apply_overrides(config, args.set)
-  config.warm_start.checkpoint = os.path.join(workdir, "warm_start")
-  config.rl.seed = seed
-  config.rl.iterations = args.iterations
-  config.rl.eval_every = args.eval_every
-  config.rl.log_every = args.log_every
-  config.rl.checkpoint_every = args.iterations
+  config.init.checkpoint = os.path.join(workdir, "warm_start")
+  config.train.seed = seed
+  config.train.steps = args.iterations
+  config.train.eval_every = args.eval_every
+  config.train.log_every = args.log_every
+  config.train.checkpoint_every = args.iterations
   if args.eval_tasks:
     config.parl.eval_tasks = args.eval_tasks
   if variant == "annealed":
@@ -133,9 +134,11 @@ def point(row: dict) -> dict:
          if row["num_assigned"] > 0 else float("nan"), "wide_unassigned": unassigned,
          "critical_steps": row["critical_steps"], "wide_critical_steps": row.get("wide/critical_steps", float("nan")),
          "deep_critical_steps": row.get("deep/critical_steps", float("nan"))}
-  for key in ("lambda1", "lambda2", "reward", "iteration_s"):
+  for key in ("lambda1", "lambda2", "reward"):
     if key in row:
       out[key] = row[key]
+  if "sample_s" in row and "train_s" in row:      # a training row: the iteration's rollouts and updates
+    out["iteration_s"] = row["sample_s"] + row["train_s"]
   return out
 
 
@@ -288,7 +291,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--workdir", help="a finished configs/parl.py run (its warm_start is reused)")
   parser.add_argument("--iterations", type=int, default=60)
-  parser.add_argument("--seeds", default="0", help="comma-separated rl.seed values")
+  parser.add_argument("--seeds", default="0", help="comma-separated train.seed values")
   parser.add_argument("--variants", default=",".join(VARIANTS))
   parser.add_argument("--anneal_fraction", type=float, default=None,
                       help="annealed: anneal_steps = fraction × iterations (default: the config's own fraction)")

@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 from k25jax import losses  # noqa: E402
 from k25jax.data import pipeline, sources, tokenizer  # noqa: E402
 from k25jax.model import config, transformer  # noqa: E402
-from k25jax.optim import muonclip, routing  # noqa: E402
+from k25jax.optim import muonclip, partition  # noqa: E402
 from k25jax.train import optimizer as train_optimizer  # noqa: E402
 from k25jax.train import step as train_step  # noqa: E402
 
@@ -53,8 +53,8 @@ def make_tx(run: str, schedule, weight_decay: float) -> optax.GradientTransforma
   if run == "adamw":
     adamw = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay,
                         mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
-    inner = optax.partition({routing.MUON: adamw, routing.ADAMW: adamw, routing.FROZEN: optax.set_to_zero()},
-                            routing.labels)
+    inner = optax.partition({partition.MUON: adamw, partition.ADAMW: adamw, partition.FROZEN: optax.set_to_zero()},
+                            partition.labels)
   else:
     inner = muonclip.muonclip(schedule, weight_decay=weight_decay)
   return optax.chain(optax.clip_by_global_norm(1.0), inner)

@@ -34,7 +34,6 @@ import json
 import os
 import time
 
-import flax.linen as nn
 import jax
 import matplotlib
 import numpy as np
@@ -45,7 +44,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 from k25jax.agents import widesearch  # noqa: E402
 from k25jax.model import transformer  # noqa: E402
 from k25jax.stages import parl  # noqa: E402
-from k25jax.train import checkpoint, config_utils, sharding  # noqa: E402
+from k25jax.train import config_utils, sharding, trainer as trainer_lib  # noqa: E402
 
 ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 COLORS = {"swarm": "tab:blue", "single": "tab:red", "swarm (warm start)": "tab:gray",
@@ -55,14 +54,6 @@ SCRIPTED = {"swarm (scripted)": 8, "single (scripted)": 0}     # ScriptedOrchest
 
 def load_config():
   return config_utils.load_config_file(os.path.join(ROOT, "configs", "parl.py"), "tiny")
-
-
-
-def restore_params(model_cfg, mesh, path: str):
-  """The params of the newest checkpoint under path/checkpoints (an RL state or an SFT state)."""
-  boxed = transformer.abstract_params(model_cfg)
-  target = checkpoint.abstract_target(nn.meta.unbox(boxed), sharding.logical_to_sharding(boxed, mesh))
-  return checkpoint.Checkpoints(path, keep=1).restore_params(target)
 
 
 def measure(config, model_cfg, orch, sub, tasks, *, solo: bool, latency_tasks: int) -> dict:
@@ -160,10 +151,12 @@ def main():
   mesh = sharding.make_mesh(config.mesh.to_dict())
   tasks = widesearch.sample_tasks(args.tasks, args.seed, deep_fraction=0.0, n_range=n_range)
   start = time.perf_counter()
+  model = transformer.Transformer(model_cfg)
+  restore = lambda path: trainer_lib.restore_params(model, path, mesh)   # the newest checkpoint's params (RL or SFT)
   with jax.set_mesh(mesh):
-    trained = restore_params(model_cfg, mesh, args.workdir)
-    warm = restore_params(model_cfg, mesh, os.path.join(args.workdir, "warm_start"))
-    sub = restore_params(model_cfg, mesh, config.parl.subagent_checkpoint) if config.parl.subagent_checkpoint else warm
+    trained = restore(args.workdir)
+    warm = restore(os.path.join(args.workdir, "warm_start"))
+    sub = restore(config.parl.subagent_checkpoint) if config.parl.subagent_checkpoint else warm
     policies = {"swarm": (trained, False), "single": (warm, True)}
     if args.warm_swarm:
       policies["swarm (warm start)"] = (warm, False)

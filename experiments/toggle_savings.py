@@ -6,8 +6,9 @@ For each seed s, two RL runs of `configs/rl.py:tiny` from the SAME warm start (t
 built-in SFT on 2-digit addition demonstrations, trained once per seed and copied into
 both workdirs) with the same rollout keys and prompts per iteration: plain RL with the
 K2.5 loss, and the same with Toggle on (`configs/toggle.py`: m, ρ, λ of the config).
-Seed s sets `rl.seed`, `warm_start.seed` and `task.seed` (so the training pool and the
-held-out prompts change with the seed too).
+Seed s sets `train.seed`, `warm_start.seed` and `task.seed` (so the training pool and the
+held-out prompts change with the seed too). `--iterations` and `--eval_every` set
+`train.steps` (RL iterations) and `train.eval_every`.
 
 Reports, on the held-out prompts (sampled at T = 1, `rl.eval_samples` per prompt; greedy
 accuracy as a secondary column): final accuracy, final mean response length, length of
@@ -24,7 +25,6 @@ Writes `<out>.json` (curves, tables, config) and `<out>.png` (curves along train
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -41,7 +41,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 from k25jax.model import transformer  # noqa: E402
 from k25jax.rl import sampler  # noqa: E402
 from k25jax.stages import rl  # noqa: E402
-from k25jax.train import config_utils, sharding  # noqa: E402
+from k25jax.train import config_utils, sharding, trainer as trainer_lib  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 RUNS = ("plain", "toggle")
@@ -51,17 +51,11 @@ FORMS = {4: "bare", 10: "scratch", 14: "check", 20: "both"}   # completion lengt
 def make_config(run: str, seed: int, args):
   config = config_utils.load_config_file(os.path.join(ROOT, "configs", "rl.py"),
                                          "tiny,toggle" if run == "toggle" else "tiny")
-  config.rl.seed = config.warm_start.seed = config.task.seed = seed
-  config.rl.iterations = args.iterations
-  config.rl.eval_every = args.eval_every
+  config.train.seed = config.warm_start.seed = config.task.seed = seed
+  config.train.steps = args.iterations
+  config.train.eval_every = args.eval_every
   config_utils.apply_overrides(config, args.set)
   return config
-
-
-def warm_start_key(config) -> str:
-  """What the warm start depends on: the model, the task and the warm_start section."""
-  text = json.dumps([config.model.to_dict(), config.task.to_dict(), config.warm_start.to_dict()], sort_keys=True)
-  return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
 def form_mix(config, params) -> dict:
@@ -89,7 +83,8 @@ def warm_start_diagnostics(config, workdir: str) -> dict:
   sampling = sampler.SamplingConfig(max_new_tokens=task.max_new_tokens, temperature=config.rl.temperature,
                                     stop_tokens=task.stop_tokens, pad_id=task.tokenizer.pad_id)
   with jax.set_mesh(mesh):
-    params = rl.warm_start(config, model, task, mesh, workdir)
+    params = (trainer_lib.restore_params(model, config.init.checkpoint, mesh) if config.init.checkpoint
+              else rl.builtin_warm_start(config, model, task, mesh, workdir))
     budgets = rl.toggle_budgets(config, model_cfg, params, task, sampling)
     mix = form_mix(config, params)
   finite = budgets[np.isfinite(budgets)]
@@ -102,7 +97,7 @@ def warm_start_diagnostics(config, workdir: str) -> dict:
 def run_one(run: str, seed: int, args) -> dict:
   config = make_config(run, seed, args)
   workdir = os.path.join(args.workdir, f"seed{seed}", run)
-  cache = os.path.join(args.workdir, "warm_starts", warm_start_key(config))
+  cache = os.path.join(args.workdir, "warm_starts", rl.warm_start_key(config))
   shutil.rmtree(workdir, ignore_errors=True)        # fresh RL state: history must start at iteration 0
   os.makedirs(workdir)
   if os.path.isdir(cache):
@@ -231,8 +226,8 @@ def plot(seed_results: dict, path: str) -> None:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
-  parser.add_argument("--iterations", type=int, default=150)
-  parser.add_argument("--eval_every", "--eval-every", type=int, default=10)
+  parser.add_argument("--iterations", type=int, default=150, help="RL iterations (train.steps)")
+  parser.add_argument("--eval_every", "--eval-every", type=int, default=10, help="train.eval_every")
   parser.add_argument("--set", action="append", default=[], help="section.field=value, for both runs")
   parser.add_argument("--workdir", default="/tmp/k25jax_toggle_savings")
   parser.add_argument("--out", default="experiments/results/toggle_savings")

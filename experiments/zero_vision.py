@@ -13,13 +13,14 @@ One chain of stages, each in its own workdir under --root (a finished one is reu
     no_sft       base itself
     zero_vision_no_base  configs/sft.py from a fresh init: zero-vision SFT without the vision
                  stages (a random tower: does the transfer need joint pre-training?)
-    rl/<start>/<tool>   configs/rl.py:vision[,no_tool] from each start: the image in the prompt,
-                 with the sandboxed Python tool (tool) or without it (no_tool)
+    rl/<start>/<tool>   configs/rl.py:vision[,no_tool] (the rl_vision stage) from each start: the
+                 image in the prompt, with the sandboxed Python tool (tool) or without it (no_tool)
 
 Reports the vision-RL curves (held-out sampled accuracy along RL) per start and tool
 setting, which start wins at the end of RL and by how much, and the SFT evaluations.
 Writes `<out>.json` and `<out>.png`. `--set` overrides a config field of one stage:
-`--set base.train.steps=100`, `--set sft.train.steps=600`, `--set rl.rl.iterations=20`.
+`--set base.train.steps=100`, `--set sft.train.steps=600`, `--set rl.train.steps=20` (RL iterations).
+Each stage starts from the previous one through its `init.checkpoint`.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from absl import logging
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
-from k25jax.stages import pretrain, rl, sft  # noqa: E402
+from k25jax.stages import pretrain, rl_vision, sft  # noqa: E402
 from k25jax.train import config_utils  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -57,13 +58,13 @@ def base_config(args):
 
 def sft_config(start: str, base_dir: str, args):
   config = load("sft.py", "tiny,visual" if start == "text_vision" else "tiny", "sft", args)
-  config.warm_start.checkpoint = "" if start == "zero_vision_no_base" else base_dir
+  config.init.checkpoint = "" if start == "zero_vision_no_base" else base_dir
   return config
 
 
 def rl_config(start_dir: str, tool: str, args):
   config = load("rl.py", "vision" if tool == "tool" else "vision,no_tool", "rl", args)
-  config.warm_start.checkpoint = start_dir
+  config.init.checkpoint = start_dir
   return config
 
 
@@ -94,7 +95,7 @@ def run_rl(start: str, start_dir: str, tool: str, args) -> list[dict]:
   path = os.path.join(workdir, "curves.json")
   if not os.path.exists(path):
     t0 = time.perf_counter()
-    _, history = rl.run(rl_config(start_dir, tool, args), workdir)
+    _, history = rl_vision.run(rl_config(start_dir, tool, args), workdir)
     curves = [{k: v for k, v in h.items() if isinstance(v, (int, float, str))} for h in history]
     with open(path, "w") as f:
       json.dump({"history": curves, "minutes": (time.perf_counter() - t0) / 60}, f, indent=1)
@@ -160,7 +161,7 @@ def main():
   args = parser.parse_args()
   for item in args.set:
     if item.split(".", 1)[0] not in STAGES:
-      raise ValueError(f"--set {item!r}: start with one of {STAGES} (e.g. rl.rl.iterations=20)")
+      raise ValueError(f"--set {item!r}: start with one of {STAGES} (e.g. rl.train.steps=20)")
   starts = [s for s in args.starts.split(",") if s]
   unknown = set(starts) - set(STARTS)
   if unknown or not starts:

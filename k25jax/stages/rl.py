@@ -62,6 +62,8 @@ TASKS = {"addition": AdditionTask}
 
 
 def sampling_config(config, task) -> sampler.SamplingConfig:
+  """How rollouts are sampled: `rl.temperature` / `top_k` / `top_p`, up to `rl.max_new_tokens`
+  (at most the task's longest answer), stopping at the task's stop token."""
   rl = config.rl
   return sampler.SamplingConfig(max_new_tokens=min(rl.max_new_tokens, task.max_new_tokens), temperature=rl.temperature,
                                 top_k=rl.top_k, top_p=rl.top_p, stop_tokens=task.stop_tokens,
