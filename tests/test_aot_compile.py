@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from k25jax.model import transformer
-from k25jax.train import config_utils, optimizer, sharding
+from k25jax.train import config_utils, optimizer, sharding, trainer as trainer_lib
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
@@ -42,7 +42,7 @@ def test_small_preset_train_step_compiles_for_v5p_2x2x1(monkeypatch):
   mesh = sharding.make_mesh({"fsdp": 2, "expert": 2}, devices)
   model = transformer.Transformer(aot_compile.target_model_config(config.model, "tpu"))
   tx = optimizer.make_optimizer(config.optimizer, config.train.steps)
-  inputs = (aot_compile.abstract_state(model, tx, mesh), aot_compile.abstract_batch(8, 256, mesh))
+  inputs = (trainer_lib.state_target(model, tx, mesh), aot_compile.abstract_batch(8, 256, mesh))
   shard_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(inputs))
   assert shard_bytes <= row["argument_bytes"] < 1.1 * shard_bytes, (row["argument_bytes"], shard_bytes)
 
