@@ -18,6 +18,8 @@ How long a run is (`train`), the same in every stage:
                         iterations, each one round of rollouts then `rl.minibatches` updates
   train.log_every, eval_every, checkpoint_every   in those steps (and at the last one)
   train.keep_checkpoints, train.seed
+  train.max_consecutive_skipped   updates skipped in a row (non-finite loss, gradients or
+                        updated state) that stop a run as diverged, naming its last good checkpoint
 """
 import dataclasses
 

@@ -56,5 +56,6 @@ def get_config(arg=None):
       router_bias_rate=1e-3,
       balance_loss_alpha=1e-4,
       z_loss=1e-4,
+      max_consecutive_skipped=10,          # skipped (non-finite) updates in a row that stop the run
   ))
   return c

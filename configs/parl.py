@@ -32,7 +32,8 @@ def get_config(arg=None):
   # the orchestrator's start and the frozen sub-agents (unless parl.subagent_checkpoint).
   c.warm_start = ml_collections.ConfigDict(dict(
       demonstrations=6000, steps=400, batch=128, seed=0, pack=True, log_every=50,
-      checkpoint_every=200, router_bias_rate=1e-3, optimizer=common.adamw_section(3e-3, 40, 150)))
+      checkpoint_every=200, router_bias_rate=1e-3, max_consecutive_skipped=10,
+      optimizer=common.adamw_section(3e-3, 40, 150)))
 
   c.parl = ml_collections.ConfigDict(dict(
       budget=4,                    # CriticalSteps budget per episode (truncates, never zeroes)
@@ -50,5 +51,6 @@ def get_config(arg=None):
   c.optimizer = common.adamw_section(3e-4, 5, 0)
   c.mesh = common.mesh_section()
   c.train = ml_collections.ConfigDict(dict(
-      steps=120, log_every=10, eval_every=20, checkpoint_every=40, keep_checkpoints=2, seed=0, router_bias_rate=1e-3))
+      steps=120, log_every=10, eval_every=20, checkpoint_every=40, keep_checkpoints=2, seed=0, router_bias_rate=1e-3,
+      max_consecutive_skipped=10))
   return c

@@ -81,6 +81,7 @@ def get_config(arg=None):
       router_bias_rate=1e-3,               # γ of the auxiliary-loss-free router-bias update
       balance_loss_alpha=1e-4,             # α of the sequence-wise balance loss
       z_loss=1e-4,
+      max_consecutive_skipped=10,        # skipped (non-finite) updates in a row that stop the run
   ))
   if k25:   # a pod: 64-way expert parallel (6 experts a chip), FSDP over the rest; 4.2M tokens a step
     c.optimizer.update(name="muonclip", lr=2e-4)

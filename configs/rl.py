@@ -44,6 +44,7 @@ def get_config(arg=None):
   c.warm_start = ml_collections.ConfigDict(dict(
       demonstrations=20000, p_scratch=0.5, p_check=0.5,
       steps=250, batch=128, seed=0, pack=False, log_every=50, checkpoint_every=250, router_bias_rate=1e-3,
+      max_consecutive_skipped=10,
       optimizer=common.adamw_section(3e-3, 50, 100)))
 
   c.rl = ml_collections.ConfigDict(dict(
@@ -59,7 +60,7 @@ def get_config(arg=None):
   c.mesh = common.mesh_section()
   c.train = ml_collections.ConfigDict(dict(
       steps=150, log_every=10, eval_every=10, checkpoint_every=50, keep_checkpoints=2, seed=0,
-      router_bias_rate=1e-3))
+      router_bias_rate=1e-3, max_consecutive_skipped=10))
   return c
 
 
@@ -84,5 +85,6 @@ def vision_config(switches: set) -> ml_collections.ConfigDict:
   c.optimizer = common.adamw_section(2e-4, 5, 0)
   c.mesh = common.mesh_section()
   c.train = ml_collections.ConfigDict(dict(
-      steps=30, log_every=5, eval_every=10, checkpoint_every=10, keep_checkpoints=2, seed=0, router_bias_rate=1e-3))
+      steps=30, log_every=5, eval_every=10, checkpoint_every=10, keep_checkpoints=2, seed=0, router_bias_rate=1e-3,
+      max_consecutive_skipped=10))
   return c

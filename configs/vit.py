@@ -46,5 +46,6 @@ def get_config(arg=None):
       seed=0,
       z_loss=1e-4,
       balance_loss_alpha=0.0,                # the language model is frozen
+      max_consecutive_skipped=10,            # skipped (non-finite) updates in a row that stop the run
   ))
   return c

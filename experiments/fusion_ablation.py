@@ -83,7 +83,7 @@ def final_metrics(config, state, tok) -> dict[str, float]:
   with jax.set_mesh(mesh):
     prepare = lambda b: multimodal.to_device(multimodal.device_features(b, model_cfg, config.data.max_patches), mesh)
     tx = optimizer.make_optimizer(config.optimizer, config.train.steps)
-    loss = objective.next_token(model, z_loss=config.train.z_loss, balance_loss_alpha=config.train.balance_loss_alpha)
+    loss = objective.for_section(model, config.train)
     steps = {media: trainer_lib.eval_step(model, tx, loss, multimodal.batch_specs(media)) for media in (False, True)}
     text = multimodal.evaluate(steps[False], state, [prepare(b) for b in text_eval])
     out["text_loss"] = text["cross_entropy"]

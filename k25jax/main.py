@@ -11,12 +11,13 @@ from __future__ import annotations
 import importlib
 import logging as pylogging
 import os
+import sys
 
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from k25jax.train import config_utils
+from k25jax.train import config_check, config_utils, loop
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<stage>.py[:preset]", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints and TensorBoard logs; default runs/<stage>.")
@@ -40,15 +41,34 @@ def distributed_args() -> dict | None:
   return dict(coordinator_address=address, num_processes=num, process_id=pid)
 
 
+def fail(message: str, code: int) -> None:
+  """A user's error (a bad flag or config field, a diverged run): one line on stderr, no traceback."""
+  sys.stderr.write(f"error: {message}\n")
+  sys.exit(code)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with the checkout of the --config file on sys.path first: config
-  files import `configs.common`, wherever the command runs from."""
+  """absl's flag parsing, with the checkout of the --config file on sys.path first (config
+  files import `configs.common`, wherever the command runs from); an override of a field
+  the config does not have fails in one line naming it."""
+  config_arg = None
   for i, arg in enumerate(argv[1:], start=1):
     path = arg.split("=", 1)[1] if arg.startswith("--config=") else (
         argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None)
     if path:
+      config_arg = path
       config_utils.put_checkout_on_path(path.split(":", 1)[0])
-  return app.parse_flags_with_usage(argv)
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError) as e:   # ml_collections: an override names no field
+    path, _, preset = (config_arg or "").partition(":")
+    config = config_utils.load_config_file(path, preset or None)
+    for arg in argv[1:]:
+      if arg.startswith("--config."):
+        reason = config_check.unknown_field(config, arg[len("--config."):].partition("=")[0])
+        if reason:
+          fail(f"{arg}: {reason}", 2)
+    fail(f"a --config override names no field of the config ({e})", 2)
 
 
 class _QuietLibraries(pylogging.Filter):
@@ -67,6 +87,10 @@ def main(argv):
   config = _CONFIG.value
   if config is None:
     raise app.UsageError("--config=configs/<stage>.py[:preset] is required")
+  try:
+    config_check.validate(config)
+  except ValueError as e:
+    fail(str(e), 2)
   distributed = distributed_args()
   if distributed is not None:
     jax.distributed.initialize(**distributed)
@@ -76,7 +100,10 @@ def main(argv):
     stage = importlib.import_module(f"k25jax.stages.{config.stage}")
   except ModuleNotFoundError as e:
     raise app.UsageError(f"config.stage={config.stage!r}: there is no k25jax/stages/{config.stage}.py") from e
-  stage.run(config, _WORKDIR.value or os.path.join("runs", config.stage))
+  try:
+    stage.run(config, _WORKDIR.value or os.path.join("runs", config.stage))
+  except loop.Diverged as e:
+    fail(str(e), 1)
 
 
 if __name__ == "__main__":

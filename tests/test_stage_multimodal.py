@@ -104,7 +104,7 @@ def test_midtrain_late_fusion_with_yarn_and_rows_sharded_along_sequence(tmp_path
   mesh = sharding.make_mesh(dict(data=1), devices=jax.devices()[:1])
   with jax.set_mesh(mesh):
     model = k25.K25(model_cfg)
-    loss_fn = objective.next_token(model, z_loss=config.train.z_loss, balance_loss_alpha=config.train.balance_loss_alpha)
+    loss_fn = objective.for_section(model, config.train)
     eval_step = trainer_lib.eval_step(model, optax.identity(), loss_fn, multimodal.batch_specs(False))
     state = state_lib.create(params, optax.identity(), jax.random.PRNGKey(0))
     loss = float(eval_step(state, multimodal.to_device(batch, mesh))["loss"])

@@ -1,5 +1,6 @@
-"""End-to-end pretrain runs: loss falls, logs and checkpoints appear, resume is exact,
-a corrupt latest checkpoint falls back to the previous one, an unwritable workdir fails clearly."""
+"""End-to-end pretrain runs: loss falls, logs and checkpoints appear, resume is exact, a corrupt
+latest checkpoint is quarantined and the run goes on from the previous one to finish, an
+unwritable workdir fails clearly."""
 import glob
 import logging
 import os
@@ -61,7 +62,7 @@ def test_resume_is_exact(full_run, tmp_path):
 
 @pytest.mark.slow
 def test_corrupt_latest_checkpoint_falls_back(full_run, tmp_path, caplog):
-  workdir, _, _ = full_run
+  workdir, state, _ = full_run
   corrupt_dir = str(tmp_path / "corrupt")
   shutil.copytree(workdir, corrupt_dir)
   for path in glob.glob(os.path.join(corrupt_dir, "checkpoints", str(STEPS), "state", "**"), recursive=True):
@@ -78,9 +79,16 @@ def test_corrupt_latest_checkpoint_falls_back(full_run, tmp_path, caplog):
     restored = ckpt.restore_latest(trainer_lib.state_target(model, tx, mesh), data)
   ckpt.close()
   assert int(restored.step) == STEPS - EVERY
-  assert any(f"checkpoint {STEPS}" in r.getMessage() and "falling back" in r.getMessage()
-             for r in caplog.records)
-  assert os.path.isdir(os.path.join(corrupt_dir, "checkpoints", str(STEPS)))   # nothing deleted
+  warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+  assert len(warnings) == 1 and f"checkpoint {STEPS}" in warnings[0] and "trying the previous one" in warnings[0]
+  quarantined = os.path.join(corrupt_dir, "checkpoints_quarantine", str(STEPS))
+  assert os.path.isdir(quarantined) and os.listdir(quarantined)                 # nothing deleted
+  assert not os.path.exists(os.path.join(corrupt_dir, "checkpoints", str(STEPS)))
+
+  # The run goes on from step 40 and finishes: it saves step 60 again, the same state as before.
+  resumed, _ = pretrain.run(config_for_e2e(), corrupt_dir)
+  assert os.path.isdir(os.path.join(corrupt_dir, "checkpoints", str(STEPS)))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed), state)
 
 
 def test_unwritable_workdir_is_a_clear_error(tmp_path):

@@ -28,7 +28,8 @@ def test_schedule_of_logs_evals_saves_and_skip_warning(tmp_path, caplog):
         state, train_step=fake_step(nan_at=5), batch_at=lambda step: 4.0, total_steps=10, tokens_per_step=4,
         log_every=4, eval_every=5, checkpoint_every=3,
         evaluate_fn=lambda s: {"loss": float(s.step), "tokens": 1.0},
-        save_fn=lambda n, s: saved.append((n, int(s.step))), writer=writer)
+        save_fn=lambda n, s: saved.append((n, int(s.step))), writer=writer,
+        guard=loop.SkipGuard(limit=3, skipped=0, directory=str(tmp_path)))
   writer.close()
   assert int(state.step) == 10
   assert [h["step"] for h in history if h["split"] == "train"] == [4, 8, 10]     # resumed at 2: no step 1

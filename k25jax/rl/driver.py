@@ -9,7 +9,8 @@ stage's `collect` and `evaluate`:
     θ       ← θ − η ∇L(θ)              the policy loss of `loss.name` (k25jax.rl.policy_loss) over
                                        `rl.minibatches` slices in order, each holding whole groups
     evaluate(θ) at iteration 0 and every train.eval_every; logs every train.log_every; a
-    checkpoint every train.checkpoint_every (each also at the last iteration, `loop.due`)
+    checkpoint every train.checkpoint_every (each also at the last iteration, `loop.due`);
+    `loop.Diverged` after train.max_consecutive_skipped skipped (non-finite) updates in a row
 
 The train state counts optimizer updates: a resumed run continues at iteration
 state.step // rl.minibatches. A stage's `run` is: task, model and start → `Trainer` →
@@ -90,6 +91,7 @@ def train(trainer, state, config: ml_collections.ConfigDict, *, collect: Callabl
     trainer.writer.write(iteration, metrics, "eval")
     history.append({"iteration": iteration, "split": "eval", **metrics})
 
+  guard = trainer.skip_guard(schedule, state)
   first = int(state.step) // rl.minibatches
   if first == 0 and evaluate is not None:
     run_evaluation(0, state.params)
@@ -103,11 +105,15 @@ def train(trainer, state, config: ml_collections.ConfigDict, *, collect: Callabl
             "rewards": np.repeat(np.asarray(rollouts.rewards, np.float32)[:, None], seq, axis=1)}
     size = len(advantages) // rl.minibatches
     start = time.perf_counter()
+    skip_counts = []
     for m in range(rl.minibatches):
       part = slice(m * size, (m + 1) * size)
       state, metrics = train_step(state, to_device({k: v[part] for k, v in rows.items()}, rollouts, part))
+      skip_counts.append(metrics["skipped_steps"])
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     train_s = time.perf_counter() - start
+    for m, skipped in enumerate(skip_counts):
+      guard.observe(it * rl.minibatches + m + 1, skipped)
     row = {"iteration": it + 1, "split": "train", **metrics, **rollouts.metrics, "sample_s": sample_s,
            "train_s": train_s, "train_tokens_per_s": float(rows["segment_ids"].sum() / train_s)}
     history.append(row)
@@ -118,6 +124,7 @@ def train(trainer, state, config: ml_collections.ConfigDict, *, collect: Callabl
       run_evaluation(it + 1, state.params)
     if loop.due(it + 1, schedule.checkpoint_every, schedule.steps):
       trainer.save(it + 1, state)
+      guard.saved(it + 1)
   evals = [h for h in history if h["split"] == "eval"]
   if evals and summary_keys:
     logging.info("%s summary: %s", name, ", ".join(f"{k} {evals[0][k]:.3f} → {evals[-1][k]:.3f}"

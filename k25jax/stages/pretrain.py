@@ -33,14 +33,9 @@ def datasets(config: ml_collections.ConfigDict, tok):
   return train, evals
 
 
-def loss(config: ml_collections.ConfigDict, model):
-  """The next-token objective with the train section's z-loss and balance-loss weights."""
-  return objective.next_token(model, z_loss=config.train.z_loss, balance_loss_alpha=config.train.balance_loss_alpha)
-
-
 def make_step(config: ml_collections.ConfigDict, model: transformer.Transformer, tx):
   """The jitted train step (state, batch) -> (state, metrics) of text pre-training; call under `jax.set_mesh`."""
-  return trainer_lib.train_step(model, tx, loss(config, model), router_bias_rate=config.train.router_bias_rate,
+  return trainer_lib.train_step(model, tx, objective.for_section(model, config.train), router_bias_rate=config.train.router_bias_rate,
                                 qk_clip_tau=optimizer.qk_clip_tau(config.optimizer))
 
 
@@ -61,7 +56,7 @@ def run(config: ml_collections.ConfigDict, workdir: str):
     state = trainer.start(config.init, train_data)
     logging.info("pretrain: %s, mesh %s, starting at step %d", model.cfg.to_json().replace("\n", ""),
                  dict(mesh.shape), int(state.step))
-    eval_step = trainer.eval_step(loss(config, model))
+    eval_step = trainer.eval_step(objective.for_section(model, config.train))
     eval_batches = [to_device(b) for b in eval_data]
     return trainer.fit(state, make_step(config, model, tx), lambda _: to_device(next(train_data)), config.train,
                        tokens_per_step=config.train.batch * config.train.seq_len,

@@ -196,7 +196,7 @@ def run(config: ml_collections.ConfigDict, workdir: str):
                  len(text["tokens"]), text["length"].mean(), text["loss_mask"].sum(1).mean(),
                  len(batches.text["inputs"]), f"; {len(visual[1])} visual examples" if visual is not None else "")
     state = trainer.start(config.init)
-    loss_fn = objective.next_token(model, z_loss=config.train.z_loss, balance_loss_alpha=config.train.balance_loss_alpha)
+    loss_fn = objective.for_section(model, config.train)
     step = trainer.train_step(loss_fn, router_bias_rate=config.train.router_bias_rate,
                               batch_specs=multimodal.batch_specs(visual is not None, FEATURES))
     rows = config.train.batch + (config.train.visual_batch if visual is not None else 0)

@@ -74,11 +74,10 @@ def run(config: ml_collections.ConfigDict, workdir: str):
     state = trainer.start(config.init, train_data)
     logging.info("vit: projector only from step %d, LM %s, starting at step %d", config.vit.projector_only_from,
                  config.init.text_checkpoint or config.init.checkpoint or "random (frozen)", int(state.step))
-    loss = lambda frozen: objective.next_token(model, z_loss=config.train.z_loss,
-                                               balance_loss_alpha=config.train.balance_loss_alpha, frozen=frozen)
     specs = multimodal.batch_specs(True)
-    step = trainer.train_step(loss((LM,)), router_bias_rate=0.0, batch_specs=specs)   # the LM's router bias too
-    eval_step = trainer.eval_step(loss(()), specs)
+    step = trainer.train_step(objective.for_section(model, config.train, frozen=(LM,)), router_bias_rate=0.0,
+                              batch_specs=specs)   # the LM's router bias stays too
+    eval_step = trainer.eval_step(objective.for_section(model, config.train), specs)
     eval_batches = [prepare(b) for b in eval_data]
     return trainer.fit(state, step, lambda _: prepare(next(train_data)), config.train,
                        tokens_per_step=config.train.batch * config.train.seq_len,

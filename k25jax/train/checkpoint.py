@@ -1,21 +1,104 @@
 """Checkpoints with Orbax: the train state (params, optimizer state, step, rng,
-counters) and the grain iterator state, saved together under `workdir/checkpoints/<step>`.
+counters), the grain iterator state and a digest of every array, saved together under
+`workdir/checkpoints/<step>`.
 
-Restoring takes the latest step; if it cannot be read (a corrupt or truncated
-checkpoint) the previous one is tried, with a warning, and so on.
+    digest(x) = Σ_i w_i · u_i  mod 2^32,   u = x's bits as unsigned words, w_i = (i · 0x9E3779B1) | 1
+
+computed on device where x lives (exact: integer sums are associative, so any sharding
+gives the same number). Every w_i is odd, so flipping any one bit of x changes its digest.
+
+Restoring takes the latest step whose arrays read back with the digests they were saved
+with. A step that cannot be read (missing or truncated files) or fails its digests is
+moved aside to `workdir/checkpoints_quarantine/` (kept for inspection, never deleted),
+with one warning line, and the previous step is tried, and so on: a corrupt step never
+blocks the run from saving that step again.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+import logging as pylogging
 import os
+import sys
 import tempfile
 
 import flax.linen as nn
 import grain
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
+from jax.experimental import multihost_utils
 
 from k25jax.train import sharding
+
+_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
+
+
+class CorruptCheckpoint(Exception):
+  """A checkpoint whose arrays do not match the digests they were saved with."""
+
+
+def _digest(x: jax.Array) -> jax.Array:
+  """The module docstring's digest of one array, a uint32 scalar."""
+  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    words = x.astype(jnp.uint32)
+  else:
+    words = jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32)
+  words = words.reshape(-1)
+  weights = (jnp.arange(words.size, dtype=jnp.uint32) * jnp.uint32(0x9E3779B1)) | jnp.uint32(1)
+  return jnp.sum(words * weights, dtype=jnp.uint32)
+
+
+def digests(tree, prefix: str = "") -> dict[str, int]:
+  """{path: digest} of every array leaf of `tree` (paths as `jax.tree_util.keystr`, after `prefix`)."""
+  leaves = jax.tree_util.tree_leaves_with_path(tree)
+  values = jax.device_get(jax.jit(lambda xs: [_digest(x) for x in xs])([x for _, x in leaves]))
+  return {prefix + jax.tree_util.keystr(path): int(v) for (path, _), v in zip(leaves, values)}
+
+
+def verify(tree, saved: dict[str, int], prefix: str = "") -> None:
+  """Raises CorruptCheckpoint naming the arrays of `tree` whose digests differ from `saved`."""
+  bad = [path for path, value in digests(tree, prefix).items() if saved.get(path) != value]
+  if bad:
+    raise CorruptCheckpoint(f"{len(bad)} array(s) differ from the digests saved with them: {', '.join(bad[:3])}"
+                            + (" ..." if len(bad) > 3 else ""))
+
+
+def has_digests(directory: str, step: int) -> bool:
+  return os.path.isdir(os.path.join(directory, str(step), "digests"))
+
+
+def _check(tree, saved: dict[str, int] | None, step: int, prefix: str = "") -> None:
+  """`verify`, or a warning for a checkpoint saved before digests were written."""
+  if saved is None:
+    logging.warning("checkpoint %d has no digests (saved before they were written): restored unverified", step)
+  else:
+    verify(tree, saved, prefix)
+
+
+class _DropOrbaxRecords(pylogging.Filter):
+  def filter(self, record: pylogging.LogRecord) -> bool:
+    return f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+  """Meanwhile Orbax's own log records are dropped, and so are the tracebacks of the reads it
+  abandons when one fails (coroutines collected with an exception inside): `restore_latest`
+  reports an unreadable step in one line of its own."""
+  quiet, hook = _DropOrbaxRecords(), sys.unraisablehook
+  logger = pylogging.getLogger("absl")
+  logger.addFilter(quiet)
+  sys.unraisablehook = lambda unraisable: None
+  try:
+    yield
+  finally:
+    gc.collect()
+    sys.unraisablehook = hook
+    logger.removeFilter(quiet)
 
 
 def ensure_writable(workdir: str) -> None:
@@ -35,40 +118,60 @@ class Checkpoints:
   def __init__(self, workdir: str, keep: int):
     ensure_writable(workdir)
     self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+    self.quarantine = os.path.join(os.path.abspath(workdir), "checkpoints_quarantine")
     self.manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
-        item_names=("state", "data"))
+        item_names=("state", "data", "digests"))
 
   def save(self, step: int, state, data_iterator: grain.DatasetIterator | None = None) -> None:
-    """Saves the state, and the data iterator's position when the stage reads a grain
-    iterator (stages whose data is a pure function of the step pass None)."""
-    items = {"state": ocp.args.StandardSave(state)}
+    """Saves the state with its digests, and the data iterator's position when the stage
+    reads a grain iterator (stages whose data is a pure function of the step pass None)."""
+    items = {"state": ocp.args.StandardSave(state), "digests": ocp.args.JsonSave(digests(state))}
     if data_iterator is not None:
       items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
     self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def restore_latest(self, target, data_iterator: grain.DatasetIterator | None = None):
-    """The newest readable state (shaped and sharded like `target`, a tree of
-    `jax.ShapeDtypeStruct` with shardings) with `data_iterator` set to its position,
-    or None when there is no checkpoint. Raises if checkpoints exist but none is readable."""
+    """The newest intact state (shaped and sharded like `target`, a tree of
+    `jax.ShapeDtypeStruct` with shardings) with `data_iterator` set to its position, or
+    None when there is no checkpoint; unreadable or corrupt steps are quarantined on the
+    way (module docstring). Raises if checkpoints existed but none was intact."""
     self.manager.reload()
     steps = sorted(self.manager.all_steps(), reverse=True)
     for step in steps:
-      try:
-        items = {"state": ocp.args.StandardRestore(target)}
-        if data_iterator is not None:
-          items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
-        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-      except Exception as e:  # pylint: disable=broad-except  (any unreadable checkpoint)
-        logging.warning("checkpoint %d in %s is unreadable (%s: %s); falling back to the previous one",
-                        step, self.directory, type(e).__name__, str(e)[:300])
-        continue
+      items = {"state": ocp.args.StandardRestore(target)}
+      if has_digests(self.directory, step):
+        items["digests"] = ocp.args.JsonRestore()
+      if data_iterator is not None:
+        items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+      with _quiet_orbax():
+        try:
+          restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+          _check(restored["state"], restored.get("digests"), step)
+        except Exception as e:  # pylint: disable=broad-except  (any unreadable or corrupt checkpoint)
+          self._quarantine(step, e)
+          continue
       logging.info("restored checkpoint %d from %s", step, self.directory)
       return restored["state"]
     if steps:
-      raise RuntimeError(f"no readable checkpoint in {self.directory} (tried steps {steps}); "
-                         "move the directory away to start afresh")
+      raise RuntimeError(f"no intact checkpoint in {self.directory} (steps {steps} were moved to "
+                         f"{self.quarantine}); move the workdir away to start afresh")
     return None
+
+  def _quarantine(self, step: int, error: Exception) -> None:
+    """Moves step `step` aside to `self.quarantine` (process 0 moves, every process waits)."""
+    destination = os.path.join(self.quarantine, str(step))
+    if jax.process_index() == 0:
+      os.makedirs(self.quarantine, exist_ok=True)
+      suffix = 1
+      while os.path.exists(destination):
+        destination, suffix = os.path.join(self.quarantine, f"{step}.{suffix}"), suffix + 1
+      os.rename(os.path.join(self.directory, str(step)), destination)
+    multihost_utils.sync_global_devices(f"quarantine checkpoint {step}")
+    self.manager.reload()
+    message = " ".join(str(error).split())
+    logging.warning("checkpoint %d is unreadable or corrupt (%s: %s); moved to %s, trying the previous one",
+                    step, type(error).__name__, message[:200] + ("..." if len(message) > 200 else ""), destination)
 
   def close(self) -> None:
     self.manager.wait_until_finished()
@@ -89,19 +192,25 @@ def params_target(boxed_params, mesh: jax.sharding.Mesh):
 
 def restore_params(workdir: str, target):
   """Only the params of the newest checkpoint under `workdir/checkpoints` (any stage's, whatever
-  its optimizer), shaped and sharded like `target` (`params_target`). Raises FileNotFoundError
-  when it holds no checkpoint."""
+  its optimizer), shaped and sharded like `target` (`params_target`), checked against their
+  digests. Raises FileNotFoundError when it holds no checkpoint, CorruptCheckpoint when the
+  params differ from what was saved."""
   directory = os.path.join(os.path.abspath(workdir), "checkpoints")
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"no checkpoint in {directory}: expected the workdir of a run")
-  reader = ocp.CheckpointManager(directory, item_names=("state",))
+  reader = ocp.CheckpointManager(directory, item_names=("state", "digests"))
   steps = sorted(reader.all_steps())
   if not steps:
     reader.close()
     raise FileNotFoundError(f"no checkpoint in {directory}: expected the workdir of a run")
   restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
-  restored = reader.restore(steps[-1], args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-      item={"params": target}, restore_args={"params": restore_args}, partial_restore=True)))
+  items = {"state": ocp.args.PyTreeRestore(item={"params": target}, restore_args={"params": restore_args},
+                                           partial_restore=True)}
+  if has_digests(directory, steps[-1]):
+    items["digests"] = ocp.args.JsonRestore()
+  restored = reader.restore(steps[-1], args=ocp.args.Composite(**items))
   reader.close()
+  params = restored["state"]["params"]
+  _check(params, restored.get("digests"), steps[-1], prefix=".params")
   logging.info("restored the params of checkpoint %d from %s", steps[-1], directory)
-  return restored["state"]["params"]
+  return params

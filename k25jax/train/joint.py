@@ -65,7 +65,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, model_cfg: K25Config, t
     logging.info("%s: joint vision–text, vision share %s %.2f from %.0f%% of the steps (overall %.3f), "
                  "mesh %s, starting at step %d", config.stage, plan.kind, plan.ratio, 100 * plan.start,
                  plan.overall_share, dict(trainer.mesh.shape), int(state.step))
-    loss_fn = objective.next_token(model, z_loss=config.train.z_loss, balance_loss_alpha=config.train.balance_loss_alpha)
+    loss_fn = objective.for_section(model, config.train)
     steps = {media: trainer.train_step(loss_fn, router_bias_rate=config.train.router_bias_rate,
                                        qk_clip_tau=optimizer.qk_clip_tau(config.optimizer),
                                        batch_specs=multimodal.batch_specs(media)) for media in (True, False)}

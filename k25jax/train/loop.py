@@ -1,7 +1,8 @@
-"""The generic training loop: step, log, evaluate, checkpoint.
+"""The generic training loop: step, log, evaluate, checkpoint, and stop a diverged run.
 
 Progress lines give step, loss, tokens/s and ETA; every logged scalar also goes to
-TensorBoard (`workdir/tensorboard`, written by process 0 only).
+TensorBoard (`workdir/tensorboard`, written by process 0 only). A run whose last
+`max_consecutive_skipped` updates were all skipped as non-finite stops with `Diverged`.
 """
 from __future__ import annotations
 
@@ -64,6 +65,43 @@ def evaluate(eval_step: Callable, state, batches: Iterable[dict]) -> dict:
   return {name: (tokens if name == "tokens" else value / max(tokens, 1.0)) for name, value in totals.items()}
 
 
+class Diverged(RuntimeError):
+  """A run that can no longer make progress: too many updates in a row were skipped."""
+
+
+class SkipGuard:
+  """Counts the updates skipped in a row (the train step drops a non-finite one and counts it in
+  `skipped_steps`) and raises `Diverged` at `limit` of them, naming the last checkpoint saved
+  before the skipping began."""
+
+  def __init__(self, limit: int, skipped: int, directory: str):
+    self.limit, self.skipped, self.directory = limit, skipped, directory
+    self.in_a_row, self.last_good = 0, None
+
+  def observe(self, step: int, skipped_steps) -> None:
+    """The cumulative skip count after `step` (a device scalar is fine: it is read here)."""
+    skipped = int(jax.device_get(skipped_steps))
+    self.in_a_row = self.in_a_row + 1 if skipped > self.skipped else 0
+    self.skipped = skipped
+    if self.in_a_row >= self.limit:
+      last = (f"the last good checkpoint is step {self.last_good} in {self.directory}" if self.last_good is not None
+              else "no checkpoint was saved before it")
+      raise Diverged(f"stopped at step {step}: the last {self.in_a_row} updates were non-finite (loss, gradients or "
+                     f"the updated state) and skipped, so the run can no longer make progress; {last}. Lower "
+                     "optimizer.lr or check the data, then rerun to resume from it.")
+
+  def saved(self, step: int) -> None:
+    if self.in_a_row == 0:
+      self.last_good = step
+
+
+def warn_if_not_finite(where: str, metrics: dict) -> None:
+  """One warning naming the non-finite values of an evaluation (NaN in a held-out batch, say)."""
+  bad = [f"{name} {value}" for name, value in metrics.items() if not np.isfinite(value)]
+  if bad:
+    logging.warning("%s gave non-finite values: %s", where, ", ".join(bad))
+
+
 def due(step: int, every: int, last: int) -> bool:
   """True at every `every`-th step (1-based) and at the `last` one: when to log, evaluate, save."""
   return step % every == 0 or step == last
@@ -71,16 +109,21 @@ def due(step: int, every: int, last: int) -> bool:
 
 def train(state, *, train_step: Callable, batch_at: Callable[[int], dict], total_steps: int,
           tokens_per_step: int, log_every: int, eval_every: int, checkpoint_every: int,
-          evaluate_fn: Callable | None, save_fn: Callable, writer: MetricWriter):
+          evaluate_fn: Callable | None, save_fn: Callable, writer: MetricWriter, guard: SkipGuard):
   """Runs `train_step` from `state.step` to `total_steps` on `batch_at(step)`, the batch of
-  the 0-based step about to be taken. Returns (state, history), history a list of
+  the 0-based step about to be taken. Each step's skip count is read while the next step
+  runs (`guard`, which stops a diverged run). Returns (state, history), history a list of
   {"step", "split", **metrics} for every logged train step and evaluation."""
   step = int(jax.device_get(state.step))
   progress = Progress(total_steps, tokens_per_step, step)
   history, skipped = [], int(jax.device_get(state.skipped))
+  pending = None
   while step < total_steps:
     state, metrics = train_step(state, batch_at(step))
     step += 1
+    if pending is not None:
+      guard.observe(*pending)
+    pending = (step, metrics["skipped_steps"])
     if due(step, log_every, total_steps) or step == 1:
       metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
       logging.info("%s", progress.line(step, metrics))
@@ -94,8 +137,14 @@ def train(state, *, train_step: Callable, batch_at: Callable[[int], dict], total
       metrics = evaluate_fn(state)
       logging.info("eval at step %d: loss %.4f  accuracy %.3f", step, metrics["loss"],
                    metrics.get("accuracy", np.nan))
+      warn_if_not_finite(f"evaluation at step {step}", metrics)
       writer.write(step, metrics, "eval")
       history.append({"step": step, "split": "eval", **metrics})
     if due(step, checkpoint_every, total_steps):
+      guard.observe(*pending)
+      pending = None
       save_fn(step, state)
+      guard.saved(step)
+  if pending is not None:
+    guard.observe(*pending)
   return state, history

@@ -56,3 +56,8 @@ def next_token(model: transformer.Transformer | k25.K25, *, z_loss: float = 0.0,
     return loss, (metrics, aux)
 
   return loss_fn
+
+
+def for_section(model: transformer.Transformer | k25.K25, train, frozen: tuple[str, ...] = ()):
+  """`next_token` with a config section's `z_loss` and `balance_loss_alpha` (the stage's `train`)."""
+  return next_token(model, z_loss=train.z_loss, balance_loss_alpha=train.balance_loss_alpha, frozen=frozen)

@@ -4,7 +4,7 @@
     u, s'          = tx.update(g, s, θ);  θ' = θ + u
     b'_l           = b_l + γ · sign(mean(load_l) − load_l)      per MoE layer l (router bias)
     θ'             = QK-Clip(θ', S_max, τ)                      MuonClip only (k25jax.optim.muonclip)
-    if loss or g is non-finite:  θ' = θ, s' = s, skipped += 1   (the step still advances)
+    if loss, g, θ' or s' is non-finite:  θ' = θ, s' = s, skipped += 1   (the step still advances)
 
 A stage supplies `loss_fn(params, batch, rng) -> (loss, (metrics, model_aux))`, with
 `model_aux` the model's aux dict (`expert_load` [moe_layers, E]; `max_logits` [layers,
@@ -85,7 +85,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, abstract_
       metrics = {**metrics, "qk_clip/clipped_heads": clip["clipped_heads"],
                  "qk_clip/max_logit": clip["max_logit"], **per_layer}
     params = lm if lm_key is None else {**params, lm_key: lm}
-    finite = jnp.logical_and(jnp.isfinite(loss), all_finite(grads))
+    finite = jnp.isfinite(loss) & all_finite(grads) & all_finite(params) & all_finite(opt_state)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     skipped = state.skipped + jnp.where(finite, 0, 1).astype(jnp.int32)
     new_state = state.replace(step=state.step + 1, params=keep(params, state.params),

@@ -178,9 +178,17 @@ class Trainer:
           tokens_per_step: int, evaluate: Callable | None = None, data_iterator=None):
     """Trains from `state.step` to `schedule.steps` on `batch_at(step)` (`loop.train`), logging every
     `schedule.log_every`, evaluating every `schedule.eval_every` (when `evaluate` is given),
-    saving every `schedule.checkpoint_every` steps and at the last. Returns (state, history)."""
+    saving every `schedule.checkpoint_every` steps and at the last, stopping with
+    `loop.Diverged` after `schedule.max_consecutive_skipped` skipped updates in a row.
+    Returns (state, history)."""
     return loop.train(state, train_step=train_step, batch_at=batch_at, total_steps=schedule.steps,
                       tokens_per_step=tokens_per_step, log_every=schedule.log_every,
                       eval_every=schedule.eval_every if evaluate is not None else schedule.steps,
                       checkpoint_every=schedule.checkpoint_every, evaluate_fn=evaluate,
-                      save_fn=lambda n, s: self.save(n, s, data_iterator), writer=self.writer)
+                      save_fn=lambda n, s: self.save(n, s, data_iterator), writer=self.writer,
+                      guard=self.skip_guard(schedule, state))
+
+  def skip_guard(self, schedule: ml_collections.ConfigDict, state) -> loop.SkipGuard:
+    """Stops the run after `schedule.max_consecutive_skipped` skipped updates in a row."""
+    return loop.SkipGuard(schedule.max_consecutive_skipped, int(jax.device_get(state.skipped)),
+                          self.checkpoints.directory)
