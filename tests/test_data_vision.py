@@ -159,6 +159,26 @@ def test_decoded_png_equals_the_array_and_gray_becomes_rgb():
   assert gray.shape == (30, 50, 3) and (gray == image[..., :1]).all()
 
 
+def test_transparency_is_composited_onto_white_as_transformers_does():
+  from transformers.image_transforms import convert_to_rgb
+  rng = np.random.default_rng(0)
+  rgba = rng.integers(0, 256, (20, 30, 4), dtype=np.uint8)
+  rgba[0, 0, 3], rgba[0, 1, 3] = 0, 255                       # fully transparent, fully opaque
+  palette = Image.fromarray(rng.integers(0, 4, (20, 30), dtype=np.uint8), mode="P")
+  palette.putpalette([0, 0, 0, 255, 0, 0, 0, 255, 0, 0, 0, 255] + [0] * 756)
+  palette.info["transparency"] = 2
+  png = io.BytesIO()
+  Image.fromarray(rgba, "RGBA").save(png, format="PNG")
+  cases = {"rgba array": rgba, "RGBA image": Image.fromarray(rgba, "RGBA"), "LA image": Image.fromarray(rgba[..., 2:], "LA"),
+           "P with transparency": palette}
+  for name, image in cases.items():
+    ours, theirs = vision.load_image(image), convert_to_rgb(image, return_numpy=True)
+    np.testing.assert_array_equal(ours, theirs, err_msg=name)
+  assert (vision.load_image(rgba)[0, 0] == 255).all() and (vision.load_image(rgba)[0, 1] == rgba[0, 1, :3]).all()
+  np.testing.assert_array_equal(vision.load_image(png.getvalue()), convert_to_rgb(Image.fromarray(rgba, "RGBA"),
+                                                                                  return_numpy=True))
+
+
 def test_video_shorter_than_a_chunk_keeps_its_frames():
   """Three frames at 2 fps: one chunk of t = 3 (no padding, no error), as transformers does."""
   chunks = vision.preprocess_video(gradient_video(3, 56, 84), 2.0)

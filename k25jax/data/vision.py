@@ -93,23 +93,35 @@ def num_media_tokens(grid_thw: Sequence[int], merge_size: int = MERGE_SIZE) -> i
 
 
 # ----------------------------------------------------------------------------- decoding
+def _rgb(image: Image.Image) -> Image.Image:
+  """A PIL image as RGB the way transformers' `convert_to_rgb` does it: an image with alpha
+  (an alpha band, or a palette's transparency) is composited onto opaque white
+  (`Image.alpha_composite`); any other mode is converted."""
+  if "A" in image.getbands() or image.info.get("transparency") is not None:
+    white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
+  return image.convert("RGB")
+
+
 def load_image(image) -> np.ndarray:
   """RGB uint8 [H, W, 3] from a PIL image, a uint8 array ([H, W], [H, W, 1|3|4]), encoded
-  bytes or a file path. Other modes are converted with PIL's `convert("RGB")` (alpha
-  dropped), as transformers does. Undecodable data and empty images are ValueErrors."""
+  bytes or a file path, as transformers' `convert_to_rgb` makes it: transparency is
+  composited onto white (PIL images: `Image.alpha_composite`; [H, W, 4] arrays:
+  round(a · rgb + (1 − a) · 255), a = alpha / 255), grey is repeated, other modes
+  converted. Undecodable data and empty images are ValueErrors."""
   if isinstance(image, (bytes, bytearray, str, os.PathLike)):
     source = io.BytesIO(image) if isinstance(image, (bytes, bytearray)) else image
     name = "image bytes" if isinstance(image, (bytes, bytearray)) else f"image file {os.fspath(image)!r}"
     try:
       with Image.open(source) as opened:
         opened.load()
-        image = opened.convert("RGB")
+        image = _rgb(opened)
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
       raise ValueError(f"{name}: cannot decode ({type(e).__name__}: {e}); the file is corrupt or not an image") from e
   if isinstance(image, Image.Image):
     if image.width == 0 or image.height == 0:
       raise ValueError(f"image has zero size ({image.width}x{image.height})")
-    return np.asarray(image if image.mode == "RGB" else image.convert("RGB"))
+    return np.asarray(_rgb(image))
   array = np.asarray(image)
   if array.dtype != np.uint8:
     raise ValueError(f"image array must be uint8 (0..255), got {array.dtype}")
@@ -121,7 +133,10 @@ def load_image(image) -> np.ndarray:
     raise ValueError(f"image has zero size (shape {array.shape})")
   if array.ndim == 3 and array.shape[-1] == 3:
     return np.ascontiguousarray(array)
-  return np.asarray(Image.fromarray(array).convert("RGB"))
+  if array.ndim == 3:                                     # RGBA
+    alpha = array[..., 3:4] / 255
+    return np.round(alpha * array[..., :3] + (1 - alpha) * 255).astype(np.uint8)
+  return np.repeat(array[..., None], 3, axis=-1)
 
 
 # ----------------------------------------------------------------------------- resizing
