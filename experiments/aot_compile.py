@@ -12,11 +12,14 @@ and the router-bias update, with the state donated. The config's "auto" choices 
 resolved for the target as a run on it would: `ep_dispatch` → ragged_all_to_all,
 `attention_impl` → pallas.
 
-For every layout (mesh × remat policy) it prints per-chip bytes — arguments,
-temporaries and total = arguments + outputs − aliased (donated) + temporaries + code —
-against the chip's HBM, the compiled flops per chip and step, the collectives of the
-optimized HLO (static op counts: a scanned layer body counts once) and the compile time
-here, and writes the table to experiments/results/aot_compile.json.
+For every layout (mesh × remat policy; with no `--mesh`, the config's own `mesh`) it
+prints per-chip bytes — arguments, temporaries and total = arguments + outputs − aliased
+(donated) + temporaries + code — against the chip's HBM, the compiled flops per chip and
+step, the collectives of the optimized HLO (static op counts: a scanned layer body counts
+once) and the compile time here, and writes the table to experiments/results/aot_compile.json.
+
+Exit status 1 when a layout fails to compile or does not fit the chip's HBM; such a run
+writes its table only where `--out` says (never over the committed result by default).
 """
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ HBM = {"TPU v5": 95e9, "TPU v5p": 95e9, "TPU v5 lite": 16e9, "TPU v5e": 16e9, "T
        "TPU v6 lite": 32e9, "TPU v6e": 32e9}
 COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-gather", "reduce-scatter", "all-reduce",
                "collective-permute")
+DEFAULT_OUT = os.path.join(ROOT, "experiments", "results", "aot_compile.json")
 BATCH_FIELDS = {"inputs": jnp.int32, "targets": jnp.int32, "positions": jnp.int32, "segment_ids": jnp.int32,
                 "loss_mask": jnp.float32}
 
@@ -161,10 +165,12 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--config", default="configs/pretrain.py:k25", help="config file[:preset]")
   parser.add_argument("--topology", default="v5p:8x8x8", help="TPU topology, e.g. v5p:8x8x8 (512 chips)")
-  parser.add_argument("--mesh", action="append", help="axis=size,... (repeat for several layouts)")
+  parser.add_argument("--mesh", action="append",
+                      help="axis=size,... (repeat for several layouts; default: the config's mesh)")
   parser.add_argument("--remat", default="", help="comma-separated remat policies (default: the config's)")
   parser.add_argument("--set", action="append", default=[], help="config overrides, e.g. train.batch=1024")
-  parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "aot_compile.json"))
+  parser.add_argument("--out", default=None, help=f"where to write the table (default {DEFAULT_OUT}, "
+                                                   "only when every layout compiles and fits)")
   args = parser.parse_args()
 
   path, _, preset = args.config.partition(":")
@@ -173,7 +179,7 @@ def main():
   config_utils.apply_overrides(config, args.set)
   topology = topologies.get_topology_desc(args.topology, "tpu")
   devices = topology.devices
-  layouts = [parse_mesh(m) for m in (args.mesh or ["fsdp=-1"])]
+  layouts = [parse_mesh(m) for m in args.mesh] if args.mesh else [config.mesh.to_dict()]
   remats = [r for r in args.remat.split(",") if r] or [config.model.remat_policy]
   cfg = config_utils.model_config_from(config.model)
   print(f"{args.config} on {args.topology}: {len(devices)} × {devices[0].device_kind}; global batch "
@@ -197,10 +203,17 @@ def main():
             "device_kind": devices[0].device_kind, "overrides": args.set, "global_batch": config.train.batch,
             "seq_len": config.train.seq_len, "analytic_flops_per_step": flops, "layouts": rows,
             "jax": jax.__version__}
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
-  print(f"wrote {args.out}")
+  failed = [_mesh_name(r["mesh"]) for r in rows if "error" in r or r["fits"] is False]
+  if args.out or not failed:
+    out = args.out or DEFAULT_OUT
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+      json.dump(result, f, indent=2)
+    print(f"wrote {out}")
+  if failed:
+    print(f"{len(failed)} layout(s) failed to compile or do not fit the chip's HBM: {'; '.join(failed)}"
+          + ("" if args.out else " (nothing written; pass --out to keep this table)"), file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """The pretrain step compiles for a TPU slice on this CPU (experiments/aot_compile.py); needs libtpu."""
 import importlib.util
+import json
 import math
 import os
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -57,3 +60,26 @@ def test_mesh_axes_that_split_a_physical_axis_are_allowed(monkeypatch):
   assert (whole.shape["fsdp"], whole.shape["expert"]) == (4, 16)
   assert (split.shape["fsdp"], split.shape["expert"]) == (2, 32)
   assert sorted(d.id for d in split.devices.flat) == sorted(d.id for d in devices)
+
+
+def _script(*args):
+  env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "aot_compile.py"), "--topology=v5p:2x2x1",
+                         "--config=configs/pretrain.py:small", *SMALL_OVERRIDES, *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=900)
+
+
+SMALL_OVERRIDES = [f"--set={o}" for o in ("model.num_hidden_layers=2", "model.scan_layers=True",
+                                           "model.moe_impl=ragged_dot", "train.batch=8", "train.seq_len=256")]
+
+
+@pytest.mark.slow
+def test_the_script_compiles_the_configs_own_layout_and_a_failing_layout_exits_non_zero(tmp_path):
+  committed = os.path.join(ROOT, "experiments", "results", "aot_compile.json")
+  before = open(committed).read()
+  ok = _script(f"--out={tmp_path / 'ok.json'}")                   # no --mesh: the config's mesh (fsdp=-1)
+  assert ok.returncode == 0, ok.stderr[-3000:]
+  assert "fsdp=4" in ok.stdout and json.load(open(tmp_path / "ok.json"))["layouts"][0]["fits"]
+  failed = _script("--mesh=fsdp=3")                                # 3 does not divide the 4 chips
+  assert failed.returncode == 1 and "fsdp=3" in failed.stdout and "failed" in failed.stdout
+  assert "nothing written" in failed.stderr and open(committed).read() == before
