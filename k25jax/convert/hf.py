@@ -35,7 +35,7 @@ import numpy as np
 from flax import traverse_util
 
 from k25jax.convert import hf_vision, int4, safetensors_io, scan
-from k25jax.convert.common import CheckpointError
+from k25jax.convert.common import FLOAT, INTEGER, CheckpointError, at, require_dtype, shape_error
 from k25jax.model import transformer
 from k25jax.model.config import K25Config, ModelConfig
 from k25jax.model.layers import dtype_of
@@ -85,6 +85,8 @@ def hf_target(cfg: ModelConfig, name: str):
   if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
     return (layer, parts[0], "weight"), "copy", None
   if parts[0] == "self_attn":
+    if len(parts) != 3:
+      return None
     if parts[1] in ("q_a_layernorm", "kv_a_layernorm") and parts[2] == "weight":
       return (layer, "self_attn", parts[1], "weight"), "copy", None
     rule = _attn_rule(cfg, parts[1])
@@ -130,23 +132,87 @@ def _transform(kind: str, x: np.ndarray, heads: int | None = None) -> np.ndarray
 
 
 # -------------------------------------------------------------------------- load
+def _stored_shape(kind: str, ours: tuple) -> tuple:
+  """The checkpoint's layout of a param of shape `ours` stored as `kind` (`_transform`'s inverse)."""
+  if kind == "t":
+    return tuple(ours[::-1])
+  if kind == "t_heads_out":   # [in, heads, k] ← [heads·k, in]
+    return (ours[1] * ours[2], ours[0])
+  if kind == "t_heads_in":    # [heads, k, out] ← [out, heads·k]
+    return (ours[2], ours[0] * ours[1])
+  if kind == "fused_down":    # [E, f, d] ← [E, d, f]
+    return (ours[0], ours[2], ours[1])
+  return tuple(ours)
+
+
 def _read_config_json(path: str) -> dict:
-  with open(os.path.join(path, "config.json")) as f:
-    return json.load(f)
+  """config.json of the folder as a dict; a file that is not a JSON object is a CheckpointError."""
+  file = os.path.join(path, "config.json")
+  with open(file, "rb") as f:
+    raw = f.read()
+  try:
+    hf_cfg = json.loads(raw.decode("utf-8"))
+  except ValueError as e:   # UnicodeDecodeError, JSONDecodeError
+    raise CheckpointError(f"{file} is not valid JSON ({e})") from None
+  if not isinstance(hf_cfg, dict):
+    raise CheckpointError(f"{file} holds a JSON {type(hf_cfg).__name__}, not an object")
+  return hf_cfg
+
+
+def _config_from(path: str, build: Callable[..., Any], hf_cfg: dict, overrides: dict):
+  """build(hf_cfg, **overrides), its failure a CheckpointError naming config.json."""
+  try:
+    return build(hf_cfg, **overrides)
+  except (ValueError, TypeError, KeyError, AttributeError) as e:
+    extra = f" (with overrides {overrides})" if overrides else ""
+    raise CheckpointError(f"{os.path.join(path, 'config.json')}{extra} does not make a valid config: "
+                          f"{type(e).__name__}: {e}") from e
 
 
 def load_config(path: str, **overrides: Any) -> ModelConfig:
-  return ModelConfig.from_hf_dict(_read_config_json(path), **overrides)
+  return _config_from(path, ModelConfig.from_hf_dict, _read_config_json(path), overrides)
+
+
+def _quant_groups(hf_cfg: dict) -> list:
+  qc = hf_cfg.get("quantization_config") or (hf_cfg.get("text_config") or {}).get("quantization_config") or {}
+  return [group.get("weights") or {} for group in (qc.get("config_groups") or {}).values()]
 
 
 def _quant_group(hf_cfg: dict) -> int:
   """The INT4 group size of a compressed-tensors `quantization_config` (32 if absent)."""
-  qc = hf_cfg.get("quantization_config") or hf_cfg.get("text_config", {}).get("quantization_config") or {}
-  for group in (qc.get("config_groups") or {}).values():
-    size = (group.get("weights") or {}).get("group_size")
+  for weights in _quant_groups(hf_cfg):
+    size = weights.get("group_size")
     if size:
       return int(size)
   return 32
+
+
+def _quant_settings(path: str, hf_cfg: dict) -> tuple[int, bool]:
+  """(group size, whether zero points are stored) of config.json's `quantization_config`."""
+  try:
+    group = _quant_group(hf_cfg)
+    asymmetric = any(weights.get("symmetric", True) is False for weights in _quant_groups(hf_cfg))
+  except (AttributeError, TypeError, ValueError) as e:
+    raise CheckpointError(f"{os.path.join(path, 'config.json')}: its quantization_config is malformed "
+                          f"({type(e).__name__}: {e})") from e
+  if group <= 0:
+    raise CheckpointError(f"{os.path.join(path, 'config.json')}: quantization group_size {group} is not positive")
+  return group, asymmetric
+
+
+# The dtypes each part of an INT4 pack-quantized weight may be stored in (`k25jax.convert.int4`).
+_QUANT_DTYPES = {
+    "weight_packed": (("I32",), "an INT4 weight_packed (8 values per int32)"),
+    "weight_scale": (FLOAT, "an INT4 weight_scale"),
+    "weight_shape": (INTEGER, "an INT4 weight_shape"),
+    "weight_zero_point": (INTEGER + FLOAT, "an INT4 weight_zero_point"),
+}
+
+
+def _skipped(cfg: ModelConfig, name: str) -> bool:
+  """Tensors of a checkpoint that are not ours to load (vision in a text-only load, MTP layers)."""
+  layer = _LAYER.match(name)
+  return bool(_SKIPPED.search(name)) or bool(layer and int(layer.group(1)) >= cfg.num_hidden_layers)
 
 
 def load(path: str, shardings: Any = None, *, text_only: bool = False, **overrides: Any):
@@ -155,14 +221,19 @@ def load(path: str, shardings: Any = None, *, text_only: bool = False, **overrid
   overrides: our ModelConfig fields (e.g. moe_impl="dense", param_dtype="bfloat16").
   shardings: optional pytree of `jax.sharding.Sharding` with the params' structure.
   A K2.5 folder with a `vision_config` gives (K25Config, multimodal params) unless text_only.
+
+  A malformed folder raises `CheckpointError` (a ValueError) naming the file and the tensor:
+  a config.json or safetensors file that does not parse, a tensor of a dtype that cannot
+  hold it (nothing is cast but float → float), of a shape the config does not give it,
+  missing, duplicated or with no place. A missing file is a FileNotFoundError.
   """
   hf_cfg = _read_config_json(path)
   if "vision_config" in hf_cfg and not text_only:
-    cfg = K25Config.from_hf_dict(hf_cfg, **overrides)
-    consume, finish = hf_vision.reader(cfg, shardings)
+    cfg = _config_from(path, K25Config.from_hf_dict, hf_cfg, overrides)
+    consume, finish = hf_vision.reader(cfg, shardings, folder=path)
     text_shardings = None if shardings is None else shardings[hf_vision.TEXT]
     return cfg, finish(load_text_params(path, hf_cfg, cfg.text, text_shardings, consume=consume))
-  cfg = ModelConfig.from_hf_dict(hf_cfg, **overrides)
+  cfg = _config_from(path, ModelConfig.from_hf_dict, hf_cfg, overrides)
   return cfg, load_text_params(path, hf_cfg, cfg, shardings)
 
 
@@ -181,9 +252,10 @@ def load_text_params(path: str, hf_cfg: dict, cfg: ModelConfig, shardings: Any =
   param_dtype = dtype_of(cfg.param_dtype)
   out: dict[tuple, Any] = {}
   stacked: dict[tuple, np.ndarray] = {}
-  filled: dict[tuple, set] = {}
-  quant_parts: dict[str, dict[str, np.ndarray]] = {}
-  group = _quant_group(hf_cfg)
+  filled: dict[tuple, dict[int, str]] = {}   # stacked experts placed so far → where each came from
+  quant_parts: dict[str, dict[str, tuple[np.ndarray, str]]] = {}   # module → part → (array, file)
+  group, asymmetric = _quant_settings(path, hf_cfg)
+  needed_parts = _QUANT_PARTS if asymmetric else _QUANT_PARTS[:3]
   source_of: dict[tuple, str] = {}
 
   def finish(key: tuple, value: np.ndarray):
@@ -191,81 +263,103 @@ def load_text_params(path: str, hf_cfg: dict, cfg: ModelConfig, shardings: Any =
     arr = np.asarray(value).astype(dtype)
     out[key] = (jax.device_put(arr, flat_shardings[key]) if key in flat_shardings else jax.numpy.asarray(arr))
 
-  def place(name: str, value: np.ndarray):
-    target = hf_target(cfg, name)
-    if target is None:
-      if _SKIPPED.search(name) or (_LAYER.match(name) and int(_LAYER.match(name).group(1)) >= cfg.num_hidden_layers):
-        return
-      raise CheckpointError(f"tensor {name!r} has no place in a model with this config")
-    key, kind, expert = target
+  def no_place(where: str) -> CheckpointError:
+    return CheckpointError(f"{where} has no place in a model with this config")
+
+  def place(name: str, value: np.ndarray, where: str):
+    """`value` of HF tensor `name` (read from `where`, see common.at) onto its param."""
+    key, kind, expert = hf_target(cfg, name)
     if kind == "fused_gate_up":
-      f = cfg.moe_intermediate_size
-      if value.shape != (cfg.n_routed_experts, 2 * f, cfg.hidden_size):
-        raise CheckpointError(f"tensor {name!r} has shape {value.shape}, config expects "
-                              f"{(cfg.n_routed_experts, 2 * f, cfg.hidden_size)}")
-      place_leaf(key + ("gate_proj",), np.swapaxes(value[:, :f], 1, 2), name, value.shape)
-      place_leaf(key + ("up_proj",), np.swapaxes(value[:, f:], 1, 2), name, value.shape)
+      gate, up = key + ("gate_proj",), key + ("up_proj",)
+      if gate not in expected:
+        raise no_place(where)
+      n, d, f = expected[gate]
+      if value.shape != (n, 2 * f, d):
+        raise shape_error(where, value.shape, (n, 2 * f, d), key + ("gate_proj+up_proj",), (n, d, 2 * f))
+      place_leaf(gate, np.swapaxes(value[:, :f], 1, 2), where)
+      place_leaf(up, np.swapaxes(value[:, f:], 1, 2), where)
       return
-    heads = cfg.num_attention_heads
-    if kind in ("t_heads_out", "t_heads_in") and value.ndim == 2:
-      want = expected.get(key)
-      flat = (want[1] * want[2], want[0]) if kind == "t_heads_out" else (want[2], want[0] * want[1])
-      if value.shape != flat:
-        raise CheckpointError(f"tensor {name!r} has shape {value.shape}, config expects {flat}")
+    if key not in expected:
+      raise no_place(where)
+    full = expected[key]
     if expert is not None:
-      if key not in expected:
-        raise CheckpointError(f"tensor {name!r} has no place in a model with this config")
-      full = expected[key]
       if expert >= full[0]:
-        raise CheckpointError(f"tensor {name!r}: expert {expert} but config has n_routed_experts={full[0]}")
-      piece = _transform(kind, value)
-      if piece.shape != full[1:]:
-        raise CheckpointError(f"tensor {name!r} has shape {value.shape}, config expects {full[1:][::-1]}")
+        raise CheckpointError(f"{where}: expert {expert} but config has n_routed_experts={full[0]}")
+      if value.shape != _stored_shape(kind, full[1:]):
+        raise shape_error(where, value.shape, _stored_shape(kind, full[1:]), key + (str(expert),), full[1:])
+      if key in out:
+        raise CheckpointError(f"{where} duplicates {source_of[key]}")
+      if expert in filled.get(key, {}):
+        raise CheckpointError(f"{where} duplicates {filled[key][expert]}")
       buf = stacked.setdefault(key, np.zeros(full, np.float32))
-      buf[expert] = piece
-      filled.setdefault(key, set()).add(expert)
+      buf[expert] = _transform(kind, value)
+      filled.setdefault(key, {})[expert] = where
       if len(filled[key]) == full[0]:
+        source_of[key] = f"the per-expert tensors (the last {where})"
         finish(key, stacked.pop(key))
       return
-    place_leaf(key, _transform(kind, value, heads), name, value.shape)
+    if value.shape != _stored_shape(kind, full):
+      raise shape_error(where, value.shape, _stored_shape(kind, full), key, full)
+    place_leaf(key, _transform(kind, value, cfg.num_attention_heads), where)
 
-  def place_leaf(key: tuple, value: np.ndarray, name: str, checkpoint_shape: tuple):
-    if key not in expected:
-      raise CheckpointError(f"tensor {name!r} has no place in a model with this config")
-    if tuple(value.shape) != expected[key]:
-      raise CheckpointError(f"tensor {name!r} has shape {tuple(checkpoint_shape)}, which does not fit "
-                            f"{'/'.join(key)} of shape {expected[key]} under this config")
-    if key in out:
-      raise CheckpointError(f"tensor {name!r} duplicates {source_of[key]!r}")
-    source_of[key] = name
+  def place_leaf(key: tuple, value: np.ndarray, where: str):
+    if tuple(value.shape) != expected[key]:   # the stored shape was checked: a bug here, not in the file
+      raise CheckpointError(f"{where} gives shape {tuple(value.shape)} for {'/'.join(key)}, which this "
+                            f"config makes {expected[key]}")
+    if key in out or key in stacked:
+      raise CheckpointError(f"{where} duplicates {source_of.get(key) or 'the per-expert tensors'}")
+    source_of[key] = where
     finish(key, value)
+
+  def quantized_at(module: str, parts: dict[str, tuple[np.ndarray, str]]) -> str:
+    files = ", ".join(sorted({file for _, file in parts.values()}))
+    return f"{at(files, module + '.weight_*')} (INT4-quantized)"
+
+  def place_quantized(module: str, parts: dict[str, tuple[np.ndarray, str]]):
+    where = quantized_at(module, parts)
+    value = {part: array for part, (array, _) in parts.items()}
+    try:
+      w = int4.dequantize(value["weight_packed"], value["weight_scale"], value["weight_shape"],
+                          value.get("weight_zero_point"), group)
+    except ValueError as e:
+      raise CheckpointError(f"{where}: {e}") from None
+    place(module + ".weight", w, where)
 
   for raw_name, file in safetensors_io.iterate(path):
     if consume is not None and consume(raw_name, file):
       continue
     name = normalize_name(raw_name)
-    part = name.rsplit(".", 1)
-    if len(part) == 2 and part[1] in _QUANT_PARTS:
-      module = part[0]
-      parts = quant_parts.setdefault(module, {})
-      parts[part[1]] = np.array(file.get(raw_name))
-      if all(p in parts for p in _QUANT_PARTS[:3]):
-        zp = parts.get("weight_zero_point")
-        w = int4.dequantize(parts["weight_packed"], parts["weight_scale"], parts["weight_shape"], zp, group)
-        del quant_parts[module]
-        place(module + ".weight", w)
+    where = at(file.path, raw_name)
+    module, _, leaf = name.rpartition(".")
+    quantized = leaf in _QUANT_PARTS
+    target_name = module + ".weight" if quantized else name
+    if hf_target(cfg, target_name) is None:
+      if _skipped(cfg, target_name):
+        continue
+      raise no_place(where)
+    if not quantized:
+      require_dtype(file, raw_name, FLOAT)
+      place(name, file.get(raw_name), where)
       continue
-    place(name, file.get(raw_name))
+    require_dtype(file, raw_name, *_QUANT_DTYPES[leaf])
+    parts = quant_parts.setdefault(module, {})
+    if leaf in parts:
+      raise CheckpointError(f"{where} duplicates {at(parts[leaf][1], raw_name)}")
+    parts[leaf] = (np.array(file.get(raw_name)), file.path)
+    if all(p in parts for p in needed_parts):
+      del quant_parts[module]
+      place_quantized(module, parts)
 
   if quant_parts:
-    module = next(iter(quant_parts))
-    raise CheckpointError(f"quantized tensor {module!r} is incomplete: has {sorted(quant_parts[module])}")
+    module, parts = next(iter(quant_parts.items()))
+    raise CheckpointError(f"{quantized_at(module, parts)} is incomplete: has {sorted(parts)}, needs "
+                          f"{list(needed_parts)}")
   for key in stacked:
-    missing = sorted(set(range(expected[key][0])) - filled[key])
-    raise CheckpointError(f"missing tensor {_hf_expert_name(key, missing[0])!r} (experts {missing})")
+    missing = sorted(set(range(expected[key][0])) - set(filled[key]))
+    raise CheckpointError(f"{path}: missing tensor {_hf_expert_name(key, missing[0])!r} (experts {missing})")
   for key in expected:
     if key not in out:
-      raise CheckpointError(f"missing tensor for {'/'.join(key)} (HF name {hf_names(cfg, key)[0]!r})")
+      raise CheckpointError(f"{path}: missing tensor for {'/'.join(key)} (HF name {hf_names(cfg, key)[0]!r})")
   params = scan.to_layout(cfg, traverse_util.unflatten_dict(out))
   return jax.device_put(params, shardings) if shardings is not None and cfg.scan_layers else params
 

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from flax import traverse_util
 
-from k25jax.convert.common import CheckpointError
+from k25jax.convert.common import FLOAT, CheckpointError, at, require_dtype, shape_error
 from k25jax.model import k25
 from k25jax.model.config import K25Config, VisionConfig
 from k25jax.model.layers import dtype_of
@@ -159,13 +159,29 @@ def released_names(key: tuple) -> str:
 
 
 # -------------------------------------------------------------------------- load
-def reader(cfg: K25Config, shardings: Any = None):
+def _stored_shape(kind: str, ours: tuple, vcfg: VisionConfig) -> tuple:
+  """The checkpoint's layout of a param of shape `ours` stored as `kind` (`_from_ours`'s shapes)."""
+  if kind == "t":
+    return tuple(ours[::-1])
+  if kind == "conv":                       # [3·p·p, D] ← [D, 3, p, p]
+    return (ours[1], 3, vcfg.patch_size, vcfg.patch_size)
+  if kind == "qkv":                        # [D, 3, H, hd] ← [3·D, D]
+    return (ours[1] * ours[2] * ours[3], ours[0])
+  if kind == "qkv_bias":                   # [3, H, hd] ← [3·D]
+    return (ours[0] * ours[1] * ours[2],)
+  if kind == "wo":                         # [H, hd, D] ← [D, H·hd]
+    return (ours[2], ours[0] * ours[1])
+  return tuple(ours)
+
+
+def reader(cfg: K25Config, shardings: Any = None, folder: str | None = None):
   """The vision tower and projector of a K2.5 folder, read in the text model's pass over its files.
 
   Returns (consume, finish): consume(raw_name, file) is the `consume` hook of
   `hf.load_text_params` (True for a vision or projector tensor, taken here); finish(text)
   checks that every vision tensor came and returns the {"language_model", "vision_tower",
-  "mm_projector"} params with `text` as the language model's.
+  "mm_projector"} params with `text` as the language model's. Errors are CheckpointErrors
+  naming the file and tensor (`folder`, the checkpoint's, for a tensor that is missing).
   """
   vcfg = cfg.vision
   abstract = traverse_util.flatten_dict(nn.meta.unbox(k25.abstract_params(cfg)))
@@ -174,61 +190,72 @@ def reader(cfg: K25Config, shardings: Any = None):
   param_dtype = dtype_of(vcfg.param_dtype)
   out: dict[tuple, Any] = {}
   source_of: dict[tuple, str] = {}
-  qkv_parts: dict[tuple, dict[str, np.ndarray]] = {}
+  qkv_parts: dict[tuple, dict[str, tuple[np.ndarray, str]]] = {}   # key → q/k/v → (rows, where)
 
-  def place(key: tuple, value: np.ndarray, name: str):
-    if key not in expected:
-      raise CheckpointError(f"tensor {name!r} has no place in a model with this config")
-    if tuple(value.shape) != expected[key]:
-      raise CheckpointError(f"tensor {name!r} gives shape {tuple(value.shape)} for "
+  def place(key: tuple, value: np.ndarray, where: str):
+    if tuple(value.shape) != expected[key]:   # the stored shape was checked: a bug here, not in the file
+      raise CheckpointError(f"{where} gives shape {tuple(value.shape)} for "
                             f"{'/'.join(key)}, which this config makes {expected[key]}")
     if key in out:
-      raise CheckpointError(f"tensor {name!r} duplicates {source_of[key]!r}")
-    source_of[key] = name
+      raise CheckpointError(f"{where} duplicates {source_of[key]}")
+    source_of[key] = where
     arr = np.asarray(value).astype(param_dtype)
     out[key] = jax.device_put(arr, flat_shardings[key]) if key in flat_shardings else jax.numpy.asarray(arr)
 
-  def place_native_qkv(raw_name: str, name: str, value: np.ndarray):
+  def place_native_qkv(name: str, value: np.ndarray, where: str):
     i, which, leaf = _NATIVE_QKV.match(name).groups()
     key = (VISION, "encoder", f"blocks_{i}", "wqkv", "kernel" if leaf == "weight" else "bias")
+    if key not in expected:
+      raise CheckpointError(f"{where} has no place in a model with this config")
+    fused = _stored_shape("qkv" if leaf == "weight" else "qkv_bias", expected[key], vcfg)
+    want = (fused[0] // 3,) + fused[1:]
+    if value.shape != want:
+      raise shape_error(where, value.shape, want, key + (which,), expected[key])
+    if key in out:
+      raise CheckpointError(f"{where} duplicates {source_of[key]}")
+    parts = qkv_parts.setdefault(key, {})
+    if which in parts:
+      raise CheckpointError(f"{where} duplicates {parts[which][1]}")
     if which in "qk":
       value = unpermute_rope_rows(value, vcfg.num_attention_heads)
-    parts = qkv_parts.setdefault(key, {})
-    parts[which] = value
+    parts[which] = (value, where)
     if len(parts) == 3:
-      fused = np.concatenate([parts[c] for c in "qkv"], axis=0)
+      fused = np.concatenate([parts[c][0] for c in "qkv"], axis=0)
       del qkv_parts[key]
-      place(key, _to_ours("qkv" if leaf == "weight" else "qkv_bias", fused, vcfg), raw_name)
+      place(key, _to_ours("qkv" if leaf == "weight" else "qkv_bias", fused, vcfg),
+            f"{where} (with its q/k projections)")
 
   def consume(raw_name: str, file) -> bool:
     if not is_vision_name(raw_name):
       return False
+    where = at(file.path, raw_name)
     name = _released_name(raw_name)
-    if _NATIVE_QKV.match(name):
-      place_native_qkv(raw_name, name, np.asarray(file.get(raw_name)))
+    native = _NATIVE_QKV.match(name)
+    target = None if native else vision_target(name)
+    if not native and (target is None or target[0] not in expected):
+      raise CheckpointError(f"{where} has no place in a model with this config")
+    require_dtype(file, raw_name, FLOAT)
+    value = file.get(raw_name)
+    if native:
+      place_native_qkv(name, value, where)
       return True
-    target = vision_target(name)
-    if target is None:
-      raise CheckpointError(f"tensor {raw_name!r} has no place in a model with this config")
     key, kind = target
-    value = np.asarray(file.get(raw_name))
-    if kind in ("qkv", "wo", "conv") and value.ndim != {"conv": 4}.get(kind, 2):
-      raise CheckpointError(f"tensor {raw_name!r} has shape {value.shape}, not a "
-                            f"{'4-D conv' if kind == 'conv' else '2-D linear'} weight")
-    try:
-      value = _to_ours(kind, value, vcfg)
-    except ValueError as e:   # a reshape that does not fit the config
-      raise CheckpointError(f"tensor {raw_name!r} of shape {value.shape} does not fit this config: {e}")
-    place(key, value, raw_name)
+    want = _stored_shape(kind, expected[key], vcfg)
+    if value.shape != want:
+      raise shape_error(where, value.shape, want, key, expected[key])
+    place(key, _to_ours(kind, value, vcfg), where)
     return True
 
   def finish(text):
+    prefix = f"{folder}: " if folder is not None else ""
     if qkv_parts:
       key, parts = next(iter(qkv_parts.items()))
-      raise CheckpointError(f"{'/'.join(key)}: only {sorted(parts)} of the q/k/v projections are present")
+      found = "; ".join(where for _, where in parts.values())
+      raise CheckpointError(f"{found}: only {sorted(parts)} of the q/k/v projections of {'/'.join(key)} "
+                            "are present")
     for key in expected:
       if key not in out:
-        raise CheckpointError(f"missing tensor {released_names(key)!r} (for {'/'.join(key)})")
+        raise CheckpointError(f"{prefix}missing tensor {released_names(key)!r} (for {'/'.join(key)})")
     params = traverse_util.unflatten_dict(out)
     params[TEXT] = text
     return params

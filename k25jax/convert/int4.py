@@ -3,7 +3,8 @@
 The released K2.5 routed experts store each [out, in] matrix W as
 * `weight_packed` int32 [out, ceil(in/8)]: q + 8 as nibbles, element i of a word at bits 4i;
 * `weight_scale` [out, in/group] (bf16), `weight_shape` = [out, in],
-  optionally `weight_zero_point` [out, in/group] (asymmetric variants);
+  optionally `weight_zero_point` (asymmetric variants: int32 packed along the rows,
+  [ceil(out/8), in/group], or unpacked [out, in/group]);
 and W ≈ (q − z) · s with q ∈ [−8, 7] per group of `group` (32) input columns.
 Quantization (the published formula): s = max|W_g| / 7.5, q = clip(round(W/s), −8, 7).
 """
@@ -38,13 +39,37 @@ def pack(q: np.ndarray) -> np.ndarray:
 
 def dequantize(packed: np.ndarray, scale: np.ndarray, shape, zero_point: np.ndarray | None = None,
                group: int = 32) -> np.ndarray:
-  """W = (q − z) · s per group of `group` input columns, float32 [out, in]."""
-  out_dim, in_dim = (int(s) for s in shape)
-  if scale.shape != (out_dim, -(-in_dim // group)):
+  """W = (q − z) · s per group of `group` input columns, float32 [out, in].
+
+  zero_point: [out, in/group] values, or int32 packed along the rows as compressed-tensors
+  writes it ([ceil(out/8), in/group]). Parts that disagree with `shape` raise a ValueError
+  (the caller names the tensors).
+  """
+  dims = np.asarray(shape)
+  if (dims.shape != (2,) or not np.issubdtype(dims.dtype, np.integer) or (dims <= 0).any()):
+    raise ValueError(f"int4 weight_shape {dims.tolist()!r:.100} is not [out, in] with positive integers")
+  if not isinstance(group, (int, np.integer)) or group <= 0:
+    raise ValueError(f"int4 group size {group!r} is not a positive integer")
+  out_dim, in_dim = (int(s) for s in dims)
+  groups = -(-in_dim // group)
+  if packed.shape != (out_dim, -(-in_dim // PER_WORD)):
+    raise ValueError(f"int4 packed shape {packed.shape} does not match weight shape {(out_dim, in_dim)} "
+                     f"(needs {(out_dim, -(-in_dim // PER_WORD))}, {PER_WORD} values per int32)")
+  if not np.issubdtype(packed.dtype, np.integer):
+    raise ValueError(f"int4 packed values have dtype {packed.dtype}, not int32")
+  if scale.shape != (out_dim, groups):
     raise ValueError(f"int4 scale shape {scale.shape} does not match weight shape {(out_dim, in_dim)} "
                      f"with group size {group}")
   q = unpack(packed, in_dim).astype(np.float32)
   if zero_point is not None:
+    if zero_point.dtype == np.int32:              # compressed-tensors packs it along the rows
+      if zero_point.shape != (-(-out_dim // PER_WORD), groups):
+        raise ValueError(f"int4 packed zero point shape {zero_point.shape} does not match weight shape "
+                         f"{(out_dim, in_dim)} (needs {(-(-out_dim // PER_WORD), groups)})")
+      zero_point = unpack(zero_point.T, out_dim).T
+    elif zero_point.shape != (out_dim, groups):
+      raise ValueError(f"int4 zero point shape {zero_point.shape} does not match weight shape "
+                       f"{(out_dim, in_dim)} with group size {group}")
     q = q - np.repeat(zero_point.astype(np.float32), group, axis=-1)[:, :in_dim]
   return q * np.repeat(scale.astype(np.float32), group, axis=-1)[:, :in_dim]
 
