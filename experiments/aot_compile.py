@@ -44,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from k25jax.model import config as model_config  # noqa: E402
-from k25jax.model import transformer  # noqa: E402
+from k25jax.model import expert_parallel, transformer  # noqa: E402
 from k25jax.stages import pretrain  # noqa: E402
 from k25jax.train import config_utils, optimizer, sharding, trainer as trainer_lib  # noqa: E402
 
@@ -107,6 +107,7 @@ def compile_step(config, devices, mesh_sizes: dict, remat: str, compiler_options
   tx = optimizer.make_optimizer(config.optimizer, config.train.steps)
   start = time.perf_counter()
   with jax.set_mesh(mesh):
+    expert_parallel.check_layout(cfg, HBM.get(devices[0].device_kind))
     state = trainer_lib.state_target(model, tx, mesh)   # ShapeDtypeStructs with shardings, nothing allocated
     step = pretrain.make_step(config, model, tx)
     lowered = step.lower(state, abstract_batch(config.train.batch, config.train.seq_len, mesh))

@@ -225,3 +225,16 @@ def test_ep_train_step_has_all_to_all_and_no_all_gather_of_expert_weights():
   assert len(re.findall(r" all-to-all\(", hlo)) >= 4          # dispatch and return, forward and backward
   assert all_gathers_of_expert_weights(hlo) == []
 
+
+
+def test_a_large_moe_without_an_expert_axis_is_refused_up_front():
+  """k25's 384 experts are 33.8 GB a layer in bf16: gathered on every chip of a 95 GB pod without
+  an expert axis (XLA's TPU compiler also fails on that layout's global expert counts)."""
+  k25 = config.preset("k25")
+  with jax.set_mesh(sharding.make_mesh(dict(fsdp=-1))):
+    with pytest.raises(ValueError, match=r"all 384 routed experts.*33\.8 GB.*mesh\.expert"):
+      expert_parallel.check_layout(k25, 95e9)
+    expert_parallel.check_layout(k25, None)                       # memory unknown (a CPU): not checked
+    expert_parallel.check_layout(config.preset("tiny"), 95e9)     # 0.8 MB of experts a layer
+  with jax.set_mesh(sharding.make_mesh(dict(fsdp=2, expert=4))):
+    expert_parallel.check_layout(k25, 95e9)                       # split over `expert`

@@ -48,6 +48,30 @@ def active(cfg: ModelConfig) -> bool:
           and mesh.shape[EXPERT_AXIS] > 1)
 
 
+def gathered_expert_bytes(cfg: ModelConfig) -> int:
+  """Bytes of one MoE layer's routed experts (E · 3 · d · f in the compute dtype): what each
+  device gathers for the layer when the experts are not split over an `expert` axis."""
+  return (cfg.n_routed_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+          * jnp.dtype(cfg.dtype).itemsize)
+
+
+def check_layout(cfg: ModelConfig, device_bytes: float | None) -> None:
+  """Refuses (ValueError) a layout that leaves a large model's routed experts unsplit: without
+  expert parallelism every device gathers all E experts of each MoE layer, and the dropless
+  routing sorts all of a layer's token-expert pairs in one global array. Large means more
+  than a quarter of `device_bytes` (None: unknown, e.g. a CPU, nothing checked)."""
+  if active(cfg) or device_bytes is None or cfg.num_moe_layers == 0:
+    return
+  need = gathered_expert_bytes(cfg)
+  if need > device_bytes / 4:
+    raise ValueError(
+        f"no expert parallelism: every device would gather all {cfg.n_routed_experts} routed experts of each MoE "
+        f"layer ({need / 1e9:.1f} GB in {cfg.dtype}, more than a quarter of its {device_bytes / 1e9:.0f} GB) and "
+        f"sort the layer's token-expert pairs of the whole batch in one array; split the experts over an "
+        f"`{EXPERT_AXIS}` mesh axis (mesh.{EXPERT_AXIS} dividing {cfg.n_routed_experts}, e.g. 64: "
+        f"{cfg.n_routed_experts // 64 if cfg.n_routed_experts % 64 == 0 else 'some'} experts a device)")
+
+
 def dispatch_mode(cfg: ModelConfig) -> str:
   """"all_to_all" | "ragged_all_to_all" ("auto": ragged when running on TPU/GPU)."""
   if cfg.ep_dispatch == "auto":

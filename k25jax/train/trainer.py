@@ -27,7 +27,7 @@ import flax.linen as nn
 import jax
 import ml_collections
 
-from k25jax.model import k25, transformer
+from k25jax.model import expert_parallel, k25, transformer
 from k25jax.train import checkpoint, loop, sharding, state as state_lib, step as step_lib
 
 Model = transformer.Transformer | k25.K25
@@ -90,7 +90,11 @@ def new_state(model: Model, tx, mesh: jax.sharding.Mesh, seed: int, params=None)
 def train_step(model: Model, tx, loss_fn: step_lib.LossFn, *, router_bias_rate: float,
                qk_clip_tau: float | None = None, batch_specs=None):
   """The jitted update of `loss_fn` (`step.make_train_step`): the router-bias rate γ, QK-Clip's
-  τ (None: off), the layout of the batch (`batch_specs`, default [batch, seq] rows)."""
+  τ (None: off), the layout of the batch (`batch_specs`, default [batch, seq] rows). Call it
+  under the mesh: a large MoE without expert parallelism is refused here
+  (`expert_parallel.check_layout`, against an accelerator's memory)."""
+  stats = jax.local_devices()[0].memory_stats()
+  expert_parallel.check_layout(text_config(model), stats.get("bytes_limit") if stats else None)
   return step_lib.make_train_step(loss_fn, tx, abstract_state(model, tx), router_gamma=router_bias_rate,
                                   first_moe_layer=text_config(model).first_k_dense_replace,
                                   qk_clip_tau=qk_clip_tau, batch_specs=batch_specs, lm_key=lm_key(model))
