@@ -2,35 +2,45 @@
 
 `sandbox.Session` starts it as `python -I -B sandbox_worker.py CONFIG_JSON` in a fresh
 working directory with a minimal environment and its own process group. It depends on
-the standard library and NumPy only (it loads image_ops by path), because `-I` keeps the
-project off sys.path. Start-up, in order:
+the standard library and NumPy only (it loads image_ops and sandbox_confine by path),
+because `-I` keeps the project off sys.path. Start-up, in order:
 
 1. keep the protocol pipes (stdin: requests, stdout: replies, one JSON object per line)
    on private descriptors and point descriptors 0 and 1 at /dev/null;
 2. import every allowed module (later imports then never touch the disk) and load the
    task's images (.npy, no pickles) into the namespace;
-3. when started as root, drop to the `nobody` user (so the process limits below bind
-   and file permissions protect the host);
-4. set the process limits: RLIMIT_AS = start-up footprint + memory_mb, RLIMIT_NPROC 0 (no
+3. isolate the process (`sandbox_confine.isolate`, as root or in a user namespace): its
+   own IPC namespace, and a mount namespace whose root holds only the working directory
+   (a tmpfs of `disk_mb`: the session's disk quota) and the NumPy and standard-library
+   directories, read-only;
+4. when started as root, drop to the `nobody` user (so the process limits below bind
+   and file permissions protect the host); in a user namespace, drop its capabilities;
+5. set the process limits: RLIMIT_AS = start-up footprint + memory_mb, RLIMIT_NPROC 0 (no
    fork, no thread), RLIMIT_FSIZE, RLIMIT_NOFILE, RLIMIT_CORE 0, and RLIMIT_CPU = the
    session's CPU budget (SIGXCPU, then SIGKILL one second later);
-5. confine the process in the kernel (`sandbox_confine.py`: Landlock keeps file access to
-   the working directory, seccomp refuses sockets, new processes, exec and reaching
-   other processes);
-6. install the audit hook (`AuditPolicy`), which refuses the same operations with clear
-   errors (and imports off the allow-list) however the code reached them; then say
+6. confine the process in the kernel (`sandbox_confine.confine`: Landlock keeps file
+   access to the working directory, seccomp refuses sockets, new processes, exec,
+   reaching other processes, IPC and file-metadata calls);
+7. install the audit hook (`AuditPolicy`), which refuses the same operations with clear
+   errors (and imports off the allow-list) however the code reached them; point
+   descriptor 2 (the host's start-up log) at /dev/null; then say
    {"ready": true, "confinement": ..., "uid": ...}.
 
-Per request {"code": str}: arm a CPU timer (ITIMER_PROF: SIGPROF kills the worker after
-cpu_s of CPU), run the code IPython-style (the value of a final expression is returned
+Per request {"id": str, "code": str}: arm a CPU timer (ITIMER_PROF: SIGPROF kills the worker
+after cpu_s of CPU), run the code IPython-style (the value of a final expression is returned
 as its repr), with stdout and stderr captured up to output_bytes, and reply
-{"ok", "stdout", "value", "error", "blocked", "cpu_s", "peak_memory_mb"}.
+{"id", "ok", "stdout", "value", "error", "blocked"}. The host keeps the process stopped
+(SIGSTOP) between calls and measures its CPU time and memory itself.
 
 Model code sees restricted builtins: `__import__` admits only `ALLOWED_MODULES`, and
 input/breakpoint/help/exit/quit are gone. That is the first line only: Python objects lead
 back to real builtins (`np.__builtins__`, `().__class__.__base__.__subclasses__()`), and
-the audit hook, being Python, can be patched from inside the process (tests do it). The
-boundary is the kernel's: the process limits, the unprivileged user, Landlock and seccomp.
+the audit hook, being Python, can be patched from inside the process (tests do it). So can
+everything else in this process, the reply pipe included (a process's code can write to any
+descriptor it holds): model code can write replies of its own, so the host trusts a reply no
+further than the model's own output, validates each one and enforces every limit from
+outside. The boundary is the kernel's: the namespaces, the process limits, the unprivileged
+user, Landlock and seccomp.
 """
 import ast
 import builtins
@@ -56,6 +66,7 @@ PRELOADED = tuple(m for m in ALLOWED_MODULES if m != "image_ops") + (   # at sta
 )
 OPTIONAL_PRELOADED = ("gzip", "bz2", "lzma")   # numpy's file readers try them; a Python build may lack some
 MAX_BLOCKED = 20   # refusals listed per call; the rest are counted
+MAX_BLOCKED_CHARS = 300   # the longest description of one refusal
 REMOVED_BUILTINS = ("input", "breakpoint", "help", "exit", "quit", "copyright", "credits", "license")
 
 DENIED_EVENTS = frozenset({
@@ -97,11 +108,14 @@ class AuditPolicy:
 
   def __init__(self, work_dir: str, read_roots):
     self.work_dir = os.path.realpath(work_dir)
-    self.read_roots = tuple(os.path.realpath(r) for r in read_roots) + (self.work_dir,)
+    # given and real paths: after `isolate` both are plain directories of the new root
+    self.read_roots = tuple(dict.fromkeys(p for r in read_roots for p in (r, os.path.realpath(r)))) + (self.work_dir,)
     self._blocked, self._unlisted = [], 0
 
   def refuse(self, what: str, error=PermissionError, hint: str = ""):
     """Records `what` and raises `error`("sandbox: <what> is not allowed<hint>")."""
+    if len(what) > MAX_BLOCKED_CHARS:
+      what = what[:MAX_BLOCKED_CHARS - 3] + "..."
     if len(self._blocked) < MAX_BLOCKED:
       self._blocked.append(what)
     else:
@@ -221,7 +235,7 @@ def run_code(code: str, namespace: dict, sandbox_builtins: dict, limits: dict, p
   `sandbox_builtins` is put back first: exec would insert the real builtins into a
   namespace whose `__builtins__` an earlier call deleted."""
   out = CappedText(limits["output_bytes"])
-  value, error, cpu_start = None, None, _cpu_time()
+  value, error = None, None
   policy.clear()
   namespace["__builtins__"] = sandbox_builtins
   saved = sys.stdout, sys.stderr
@@ -248,23 +262,8 @@ def run_code(code: str, namespace: dict, sandbox_builtins: dict, limits: dict, p
       errors.append(f"value truncated at {limits['output_bytes']} bytes")
   if out.truncated:
     errors.append(f"output truncated at {limits['output_bytes']} bytes")
-  return {
-      "ok": not errors, "stdout": out.getvalue(), "value": value,
-      "error": "; ".join(errors) or None, "blocked": policy.blocked(),
-      "cpu_s": _cpu_time() - cpu_start,
-      "peak_memory_mb": _peak_memory_mb(),
-  }
-
-
-_STATUS_FD = None   # /proc/self/status, opened before Landlock closes /proc to the worker
-
-
-def _peak_memory_mb() -> float:
-  """The worker's peak resident memory (VmHWM). Not ru_maxrss: Linux carries that across
-  execve, so it would report the host process the worker was forked from."""
-  status = os.pread(_STATUS_FD, 1 << 16, 0).decode()
-  kilobytes = next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))
-  return int(kilobytes) / 1024
+  return {"ok": not errors, "stdout": out.getvalue(), "value": value,
+          "error": "; ".join(errors) or None, "blocked": policy.blocked()}
 
 
 def _load_module(name: str, path: str):
@@ -308,11 +307,18 @@ def drop_privileges(uid: int, gid: int) -> None:
   os.setuid(uid)
 
 
-def set_limits(limits: dict) -> None:
-  """The kernel-enforced limits of step 4 (soft = hard, so the code cannot raise them)."""
-  session_cpu = math.ceil(_cpu_time() + limits["session_cpu_s"])
-  address_space = _virtual_memory_bytes() + limits["memory_mb"] * 2**20
-  open_files = len(os.listdir("/proc/self/fd")) + limits["open_files"]
+def measure_baseline() -> dict:
+  """What the limits of step 5 add to, read from /proc (which step 3 hides): CPU time, address
+  space and open descriptors after start-up."""
+  return {"cpu_s": _cpu_time(), "address_space": _virtual_memory_bytes(),
+          "open_files": len(os.listdir("/proc/self/fd"))}
+
+
+def set_limits(limits: dict, baseline: dict) -> None:
+  """The kernel-enforced limits of step 5 (soft = hard, so the code cannot raise them)."""
+  session_cpu = math.ceil(baseline["cpu_s"] + limits["session_cpu_s"])
+  address_space = baseline["address_space"] + limits["memory_mb"] * 2**20
+  open_files = baseline["open_files"] + limits["open_files"]
   for which, value in ((resource.RLIMIT_AS, address_space), (resource.RLIMIT_NPROC, 0),
                        (resource.RLIMIT_FSIZE, limits["file_mb"] * 2**20),
                        (resource.RLIMIT_NOFILE, open_files), (resource.RLIMIT_CORE, 0)):
@@ -331,22 +337,33 @@ def main() -> None:
   null = os.open(os.devnull, os.O_RDWR)
   os.dup2(null, 0)
   os.dup2(null, 1)
-  os.close(null)
   sys.dont_write_bytecode = True
-  policy = AuditPolicy(os.getcwd(), config["read_roots"])
+  work_dir = os.getcwd()
+  policy = AuditPolicy(work_dir, config["read_roots"])
   namespace = build_namespace(config, policy)
   sandbox_builtins = namespace["__builtins__"]
-  global _STATUS_FD
-  _STATUS_FD = os.open("/proc/self/status", os.O_RDONLY)
-  if config["uid"] is not None:
-    drop_privileges(config["uid"], config["gid"])
-  set_limits(config["limits"])
   confine = _load_module("sandbox_confine", os.path.join(os.path.dirname(__file__), "sandbox_confine.py"))
+  limits, baseline = config["limits"], measure_baseline()
+  if config["isolate"]:
+    isolation = confine.isolate(config["root_dir"], work_dir, config["read_roots"], limits["disk_mb"] * 2**20,
+                                config["max_files"], (config["uid"], config["gid"]))
+  else:
+    isolation = {"mount_namespace": False, "ipc_namespace": False, "user_namespace": False,
+                 "disk_quota_mb": None, "isolation_error": "not asked for"}
+  if isolation["user_namespace"]:
+    confine.drop_capabilities()
+  elif config["uid"] is not None:
+    drop_privileges(config["uid"], config["gid"])
+  set_limits(limits, baseline)
   confinement = confine.confine(os.curdir, config["read_roots"])   # the cwd: its parent is not searchable
   sys.addaudithook(policy)
-  _send(replies, {"ready": True, "confinement": confinement, "uid": os.getuid()})
-  while line := requests.readline():   # the host writes {"code": str}; anything else ends the worker
-    _send(replies, run_code(json.loads(line)["code"], namespace, sandbox_builtins, config["limits"], policy))
+  os.dup2(null, 2)   # was the host's start-up log: model code must not write to a host file
+  os.close(null)
+  _send(replies, {"ready": True, "confinement": {**confinement, **isolation}, "uid": os.getuid()})
+  while line := requests.readline():   # the host writes {"id", "code"}; anything else ends the worker
+    request = json.loads(line)
+    reply = run_code(request["code"], namespace, sandbox_builtins, limits, policy)
+    _send(replies, {"id": request["id"], **reply})
   os._exit(0)   # skip interpreter finalisation: the audit hook stays strict to the end
 
 
