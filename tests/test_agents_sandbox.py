@@ -31,11 +31,15 @@ def scene(red_squares: int) -> np.ndarray:
 
 
 def children() -> set[int]:
-  """Process ids of this process's children (a zombie is still one)."""
+  """Process ids of this process's children (a zombie is still one); a thread that ends
+  while they are listed had none left (its children go to another thread)."""
   found = set()
   for task in os.listdir("/proc/self/task"):
-    with open(f"/proc/self/task/{task}/children") as f:
-      found.update(int(pid) for pid in f.read().split())
+    try:
+      with open(f"/proc/self/task/{task}/children") as f:
+        found.update(int(pid) for pid in f.read().split())
+    except FileNotFoundError:
+      continue
   return found
 
 

@@ -34,6 +34,7 @@ import pytest
 
 from k25jax.agents import sandbox
 from k25jax.agents.sandbox import Limits, RunResult, SandboxPool
+from test_agents_sandbox import children
 
 LIMITS = Limits(cpu_s=1, wall_s=2, memory_mb=256, output_bytes=1024, session_cpu_s=30, start_s=60)
 STATE_LOST = "the next call starts a new one"
@@ -84,14 +85,6 @@ def errno_of(call):
 def libc_errno(result):
   return ctypes.get_errno() if result == -1 else 0
 """
-
-
-def children() -> set[int]:
-  found = set()
-  for task in os.listdir("/proc/self/task"):
-    with open(f"/proc/self/task/{task}/children") as f:
-      found.update(int(pid) for pid in f.read().split())
-  return found
 
 
 def ipc_objects() -> dict[str, list[str]]:

@@ -52,16 +52,16 @@ def _digest(x: jax.Array) -> jax.Array:
   return jnp.sum(words * weights, dtype=jnp.uint32)
 
 
-def digests(tree, prefix: str = "") -> dict[str, int]:
-  """{path: digest} of every array leaf of `tree` (paths as `jax.tree_util.keystr`, after `prefix`)."""
+def digests(tree) -> dict[str, int]:
+  """{path: digest} of every array leaf of `tree` (paths as `jax.tree_util.keystr`)."""
   leaves = jax.tree_util.tree_leaves_with_path(tree)
   values = jax.device_get(jax.jit(lambda xs: [_digest(x) for x in xs])([x for _, x in leaves]))
-  return {prefix + jax.tree_util.keystr(path): int(v) for (path, _), v in zip(leaves, values)}
+  return {jax.tree_util.keystr(path): int(v) for (path, _), v in zip(leaves, values)}
 
 
-def verify(tree, saved: dict[str, int], prefix: str = "") -> None:
+def verify(tree, saved: dict[str, int]) -> None:
   """Raises CorruptCheckpoint naming the arrays of `tree` whose digests differ from `saved`."""
-  bad = [path for path, value in digests(tree, prefix).items() if saved.get(path) != value]
+  bad = [path for path, value in digests(tree).items() if saved.get(path) != value]
   if bad:
     raise CorruptCheckpoint(f"{len(bad)} array(s) differ from the digests saved with them: {', '.join(bad[:3])}"
                             + (" ..." if len(bad) > 3 else ""))
@@ -71,12 +71,21 @@ def has_digests(directory: str, step: int) -> bool:
   return os.path.isdir(os.path.join(directory, str(step), "digests"))
 
 
-def _check(tree, saved: dict[str, int] | None, step: int, prefix: str = "") -> None:
+def _check(tree, saved: dict[str, int] | None, step: int) -> None:
   """`verify`, or a warning for a checkpoint saved before digests were written."""
   if saved is None:
     logging.warning("checkpoint %d has no digests (saved before they were written): restored unverified", step)
   else:
-    verify(tree, saved, prefix)
+    verify(tree, saved)
+
+
+def _params_digests(saved: dict[str, int] | None) -> dict[str, int] | None:
+  """The digests of the saved state's `params`, keyed by their paths within it (the state is a
+  TrainState, `.params...`, or a dict, `['params']...`)."""
+  if saved is None:
+    return None
+  prefixes = (".params", "['params']")
+  return {key[len(p):]: value for key, value in saved.items() for p in prefixes if key.startswith(p)}
 
 
 class _DropOrbaxRecords(pylogging.Filter):
@@ -211,6 +220,6 @@ def restore_params(workdir: str, target):
   restored = reader.restore(steps[-1], args=ocp.args.Composite(**items))
   reader.close()
   params = restored["state"]["params"]
-  _check(params, restored.get("digests"), steps[-1], prefix=".params")
+  _check(params, _params_digests(restored.get("digests")), steps[-1])
   logging.info("restored the params of checkpoint %d from %s", steps[-1], directory)
   return params
