@@ -69,6 +69,11 @@ def parse_mesh(text: str) -> dict[str, int]:
   return sizes
 
 
+def requested_layouts(meshes: list[str] | None, config) -> list[dict[str, int]]:
+  """The layouts of the `--mesh` flags, or the config's own `mesh` when there are none."""
+  return [parse_mesh(m) for m in meshes] if meshes else [config.mesh.to_dict()]
+
+
 def collective_counts(hlo_text: str) -> dict[str, int]:
   """Static counts of each collective in an optimized HLO module (async start ops count once)."""
   counts = {}
@@ -180,7 +185,7 @@ def main():
   config_utils.apply_overrides(config, args.set)
   topology = topologies.get_topology_desc(args.topology, "tpu")
   devices = topology.devices
-  layouts = [parse_mesh(m) for m in args.mesh] if args.mesh else [config.mesh.to_dict()]
+  layouts = requested_layouts(args.mesh, config)
   remats = [r for r in args.remat.split(",") if r] or [config.model.remat_policy]
   cfg = config_utils.model_config_from(config.model)
   print(f"{args.config} on {args.topology}: {len(devices)} × {devices[0].device_kind}; global batch "

@@ -1,6 +1,5 @@
 """The pretrain step compiles for a TPU slice on this CPU (experiments/aot_compile.py); needs libtpu."""
 import importlib.util
-import json
 import math
 import os
 import subprocess
@@ -73,13 +72,18 @@ SMALL_OVERRIDES = [f"--set={o}" for o in ("model.num_hidden_layers=2", "model.sc
                                            "model.moe_impl=ragged_dot", "train.batch=8", "train.seq_len=256")]
 
 
-@pytest.mark.slow
-def test_the_script_compiles_the_configs_own_layout_and_a_failing_layout_exits_non_zero(tmp_path):
+def test_without_mesh_flags_the_script_compiles_the_configs_own_layout(monkeypatch):
+  monkeypatch.syspath_prepend(os.path.join(ROOT, "experiments"))
+  import aot_compile
+  config = config_utils.load_config_file(os.path.join(ROOT, "configs", "pretrain.py"), "k25")
+  assert aot_compile.requested_layouts(None, config) == [config.mesh.to_dict()]
+  assert config.mesh.expert == 64 and config.mesh.fsdp == -1
+  assert aot_compile.requested_layouts(["fsdp=8,expert=64"], config) == [{"fsdp": 8, "expert": 64}]
+
+
+def test_a_layout_that_fails_exits_non_zero_and_writes_nothing():
   committed = os.path.join(ROOT, "experiments", "results", "aot_compile.json")
   before = open(committed).read()
-  ok = _script(f"--out={tmp_path / 'ok.json'}")                   # no --mesh: the config's mesh (fsdp=-1)
-  assert ok.returncode == 0, ok.stderr[-3000:]
-  assert "fsdp=4" in ok.stdout and json.load(open(tmp_path / "ok.json"))["layouts"][0]["fits"]
   failed = _script("--mesh=fsdp=3")                                # 3 does not divide the 4 chips
-  assert failed.returncode == 1 and "fsdp=3" in failed.stdout and "failed" in failed.stdout
+  assert failed.returncode == 1 and "fsdp=3" in failed.stdout and "failed" in failed.stdout, failed.stderr[-3000:]
   assert "nothing written" in failed.stderr and open(committed).read() == before
