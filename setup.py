@@ -25,6 +25,9 @@ setup(
         "numpy",
         "reasoning-gym",   # offline verifiable tasks (k25jax/rl/tasks.py)
     ],
+    # jax calls k25jax.tpu_probe.initialize() before creating backends: libtpu stays quiet
+    # on hosts without TPU chips (the dev extra installs it for the TPU compile test).
+    entry_points={"jax_plugins": ["k25jax_tpu_probe = k25jax.tpu_probe"]},
     extras_require={
         "dev": [
             "pytest",

@@ -8,7 +8,6 @@ jax detects itself (SLURM, Open MPI, TPU pods) with --distributed.
 """
 from __future__ import annotations
 
-import glob
 import importlib
 import logging as pylogging
 import os
@@ -18,6 +17,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from k25jax import tpu_probe
 from k25jax.train import config_check, config_utils, loop
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<stage>.py[:preset]", lock_config=True)
@@ -40,17 +40,6 @@ def distributed_args() -> dict | None:
   if not (_DISTRIBUTED.value or address or (num or 1) > 1):
     return None
   return dict(coordinator_address=address, num_processes=num, process_id=pid)
-
-
-def quiet_tpu_probe() -> None:
-  """libtpu (the TPU compiler, which the dev extra installs for the TPU compile test) prints an
-  error block when jax probes a machine without TPU chips for them. Where no TPU device file
-  exists (/dev/accel*, /dev/vfio), it is told up front that this host is a lone worker
-  (TPU_WORKER_HOSTNAMES=localhost, TPU_HOST_BOUNDS=1,1,1), and its probe fails quietly; a TPU
-  host, or one where these are set, is left alone."""
-  if not glob.glob("/dev/accel*") and not os.path.exists("/dev/vfio"):
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
 
 
 def fail(message: str, code: int) -> None:
@@ -94,7 +83,7 @@ class _QuietLibraries(pylogging.Filter):
 
 def main(argv):
   logging.get_absl_handler().addFilter(_QuietLibraries())   # every record reaches this handler
-  quiet_tpu_probe()
+  tpu_probe.quiet_tpu_probe()
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   config = _CONFIG.value
