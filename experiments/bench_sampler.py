@@ -1,31 +1,38 @@
 """Benchmark: decode tokens/s of our latent-cache sampler against transformers' generate, same weights.
 
-    python experiments/bench_sampler.py [--batch 8 --prompt 64 --new 128 --steps 3]
+    python experiments/bench_sampler.py [--batch 8 --prompt 64 --new 128 --steps 5 --processes 3]
 
-Greedy decoding of `--new` tokens after a `--prompt`-token prompt, timed as the median
-of several runs after a warm-up (compilation excluded), both implementations
-interleaved in one run. Also prints the cache cost per token: ours keeps the latent
-and the rope key per layer, a per-head K/V cache keeps heads × (qk_head_dim + v_head_dim).
+Greedy decoding of `--new` tokens after a `--prompt`-token prompt, same weights (the
+reference tiny configuration). First both decode once and must produce the same tokens
+(at least 99%); then they are timed interleaved, compilation excluded, in each of
+`--processes` processes with the load beside them recorded (`interleave.py`); the JSON is
+written only when no process ran beside other work. Also prints the cache cost per
+token: ours keeps the latent and the rope key per layer, a per-head K/V cache keeps
+heads × (qk_head_dim + v_head_dim).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import statistics
+import sys
 import tempfile
-import time
 
 import jax
 import numpy as np
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from k25jax.convert import hf
-from k25jax.model import config as model_config
-from k25jax.rl import sampler
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
-from bench_forward import REFERENCE
+import interleave  # noqa: E402
+from bench_forward import REFERENCE  # noqa: E402
+from k25jax.convert import hf  # noqa: E402
+from k25jax.model import config as model_config  # noqa: E402
+from k25jax.rl import sampler  # noqa: E402
+
+MIN_AGREEMENT = 0.99   # share of greedy tokens both must produce alike (float32; a near-tie may flip)
 
 
 def cache_numbers_per_token(cfg) -> dict[str, int]:
@@ -34,15 +41,12 @@ def cache_numbers_per_token(cfg) -> dict[str, int]:
   return {"latent_cache": latent, "per_head_kv_cache": per_head}
 
 
-def main():
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--batch", type=int, default=8)
-  parser.add_argument("--prompt", type=int, default=64)
-  parser.add_argument("--new", type=int, default=128)
-  parser.add_argument("--steps", type=int, default=3)
-  parser.add_argument("--out", default="experiments/results/bench_sampler.json")
-  args = parser.parse_args()
+PEER = "transformers generate"
 
+
+def one_process(args) -> dict:
+  """Both decoders on the same weights and prompts: greedy tokens compared, then timed interleaved."""
+  torch.set_num_threads(os.cpu_count())
   torch.manual_seed(0)
   hf_model = DeepseekV3ForCausalLM(DeepseekV3Config(**REFERENCE)).eval()
   prompts = np.random.default_rng(0).integers(0, REFERENCE["vocab_size"], size=(args.batch, args.prompt))
@@ -62,37 +66,51 @@ def main():
       return hf_model.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False,
                                pad_token_id=0, eos_token_id=None)[:, args.prompt:].numpy()
 
-  closures = {"k25jax latent cache": ours, "transformers generate": theirs}
-  outputs = {name: fn() for name, fn in closures.items()}  # warm-up and compile
-  times = {name: [] for name in closures}
-  for _ in range(args.steps):
-    for name, fn in closures.items():
-      start = time.perf_counter()
-      fn()
-      times[name].append(time.perf_counter() - start)
-  agree = float(np.mean(outputs["k25jax latent cache"] == outputs["transformers generate"]))
+  closures = {"k25jax latent cache": ours, PEER: theirs}
+  agree = float(np.mean(ours() == theirs()))
+  if agree < MIN_AGREEMENT:     # greedy decoding of the same weights: the same tokens, or no benchmark
+    raise SystemExit(f"greedy tokens agree on {agree:.1%} only: not the same computation")
+  times, others = interleave.round_robin(closures, args.steps, args.warmup)
+  return {"token_agreement": agree, "other_cores": others, "times": times}
 
-  n_tokens = args.batch * args.new
-  rows = {name: {"seconds": statistics.median(t), "tokens_per_s": n_tokens / statistics.median(t)}
-          for name, t in times.items()}
-  base = rows["transformers generate"]["tokens_per_s"]
-  print(f"greedy decode, batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, CPU "
-        f"({os.cpu_count()} cores, torch threads {torch.get_num_threads()}), median of {args.steps}")
-  print(f"{'implementation':24s} {'tokens/s':>10s} {'vs transformers':>16s}")
-  for name, row in rows.items():
-    row["ratio"] = row["tokens_per_s"] / base
-    print(f"{name:24s} {row['tokens_per_s']:10.0f} {row['ratio']:15.2f}x")
-  print(f"greedy tokens equal to transformers': {agree:.1%}")
-  cache = {name: cache_numbers_per_token(c) for name, c in
-           (("tiny", cfg), ("k25", model_config.preset("k25")))}
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--prompt", type=int, default=64)
+  parser.add_argument("--new", type=int, default=128)
+  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--warmup", type=int, default=1)
+  parser.add_argument("--processes", type=int, default=3)
+  parser.add_argument("--max_load", type=float, default=interleave.MAX_LOAD, help="cores other processes may use")
+  parser.add_argument("--allow_load", action="store_true", help="write the result even if a process was loaded")
+  parser.add_argument("--one", default=None, help=argparse.SUPPRESS)   # a child process: write its run here
+  parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "bench_sampler.json"))
+  args = parser.parse_args()
+  if args.one:
+    with open(args.one, "w") as f:
+      json.dump(one_process(args), f)
+    return
+  runs = interleave.run_processes(__file__, [f"--batch={args.batch}", f"--prompt={args.prompt}", f"--new={args.new}",
+                                           f"--steps={args.steps}", f"--warmup={args.warmup}"], args.processes)
+  summary = interleave.summarize(runs, PEER, args.batch * args.new, args.max_load)
+  print(f"greedy decode, batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, CPU ({os.cpu_count()} "
+        f"cores), {args.processes} process(es) x {args.steps} interleaved runs; other processes used "
+        + ", ".join(f"{c:.2f}" for c in summary["other_cores"]) + " cores")
+  print(f"{'implementation':24s} {'tokens/s':>10s} {'vs transformers':>16s}  per process")
+  for name, row in summary["contenders"].items():
+    print(f"{name:24s} {row['per_s']:10.0f} {row['speed_vs_peer']:15.2f}x  "
+          + " ".join(f"{r:.2f}" for r in row["speed_vs_peer_per_process"]))
+  print("greedy tokens equal to transformers': " + ", ".join(f"{r['token_agreement']:.1%}" for r in runs))
+  cfg = model_config.ModelConfig.from_hf_dict(DeepseekV3Config(**REFERENCE).to_dict())
+  cache = {name: cache_numbers_per_token(c) for name, c in (("tiny", cfg), ("k25", model_config.preset("k25")))}
   print(f"\n{'cache numbers / token':24s} {'latent':>10s} {'per-head K/V':>14s} {'ratio':>8s}")
   for name, c in cache.items():
     print(f"{name:24s} {c['latent_cache']:10d} {c['per_head_kv_cache']:14d} "
           f"{c['per_head_kv_cache'] / c['latent_cache']:7.1f}x")
-  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump({"args": vars(args), "runs": rows, "token_agreement": agree, "cache_per_token": cache}, f, indent=2)
-  print(f"\nwrote {args.out}")
+  result = {"args": {k: v for k, v in vars(args).items() if k != "one"}, "cpu_count": os.cpu_count(),
+            "jax": jax.__version__, "torch": torch.__version__, "runs": runs, **summary, "cache_per_token": cache}
+  interleave.write_unless_loaded(args.out, result, args.allow_load)
 
 
 if __name__ == "__main__":

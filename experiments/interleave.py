@@ -1,0 +1,102 @@
+"""How the benchmarks time ours against a peer so that the ratio measures the code, not the machine.
+
+* One process times every contender, interleaved: after `warmup` calls of each, `steps`
+  rounds of one call of every contender in turn (A B C A B C ...), so noise from outside
+  hits all of them alike. Each gets its step times; the median is what is compared.
+* The load: the CPU time other processes used while the rounds ran, in cores (the busy
+  time of /proc/stat minus this process's own). With two threads, torch slows 4–6x
+  beside another job and XLA far less, so a ratio timed beside other work measures the
+  work beside it: a process that saw more than `max_load` cores of it is marked loaded.
+* Several processes, one after the other (`run_processes`): the figure is the median
+  over unloaded processes of each contender's median, with the range across processes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable
+
+MAX_LOAD = 0.1   # cores other processes may use while a benchmark times
+
+
+def busy_seconds() -> float:
+  """CPU seconds the whole machine has been busy (all cores; /proc/stat minus idle and iowait)."""
+  with open("/proc/stat") as f:
+    fields = [int(x) for x in f.readline().split()[1:]]
+  return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_seconds() -> float:
+  times = os.times()
+  return times.user + times.system
+
+
+def round_robin(closures: dict[str, Callable[[], object]], steps: int, warmup: int
+                ) -> tuple[dict[str, list[float]], float]:
+  """Step times of each closure over `steps` interleaved rounds after `warmup` calls each, and
+  the cores other processes used meanwhile."""
+  for fn in closures.values():
+    for _ in range(warmup):
+      fn()
+  times = {name: [] for name in closures}
+  busy, own, start = busy_seconds(), own_seconds(), time.perf_counter()
+  for _ in range(steps):
+    for name, fn in closures.items():
+      t = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - t)
+  wall = time.perf_counter() - start
+  return times, max(0.0, (busy_seconds() - busy) - (own_seconds() - own)) / wall
+
+
+def run_processes(script: str, args: list[str], processes: int) -> list[dict]:
+  """Runs `script --one=FILE *args` `processes` times, one after the other; their results."""
+  runs = []
+  with tempfile.TemporaryDirectory() as tmp:
+    for i in range(processes):
+      path = os.path.join(tmp, f"{i}.json")
+      subprocess.run([sys.executable, script, f"--one={path}", *args], check=True)
+      with open(path) as f:
+        runs.append(json.load(f))
+  return runs
+
+
+def summarize(runs: list[dict], peer: str, work: float, max_load: float = MAX_LOAD) -> dict:
+  """Per contender (runs[i]["times"]): the median over unloaded processes (all, if none was
+  unloaded) of its median time, the range of its times, `work` per second, and its speed
+  against `peer` overall and per process."""
+  clean = [r for r in runs if r["other_cores"] <= max_load]
+  use = clean or runs
+  table = {}
+  for name in runs[0]["times"]:
+    medians = [statistics.median(r["times"][name]) for r in use]
+    table[name] = {"median_s": statistics.median(medians), "process_medians_s": medians,
+                   "range_s": [min(min(r["times"][name]) for r in use), max(max(r["times"][name]) for r in use)],
+                   "per_s": work / statistics.median(medians)}
+  for row in table.values():
+    row["speed_vs_peer"] = table[peer]["median_s"] / row["median_s"]
+    row["speed_vs_peer_per_process"] = [p / o for p, o in zip(table[peer]["process_medians_s"],
+                                                                row["process_medians_s"])]
+  return {"contenders": table, "other_cores": [r["other_cores"] for r in runs],
+          "loaded_processes": len(runs) - len(clean), "max_load": max_load}
+
+
+def write_unless_loaded(path: str, result: dict, allow_load: bool) -> None:
+  """Writes `result` (marked "loaded") unless a process ran beside other work and `allow_load`
+  is off; then exits 1 saying why, so no ratio timed under load lands in a results file."""
+  loaded = result["loaded_processes"]
+  result["loaded"] = bool(loaded)
+  if loaded and not allow_load:
+    print(f"\n{loaded} of {len(result['other_cores'])} processes ran beside other work (more than "
+          f"{result['max_load']} cores: {result['other_cores']}): nothing written; rerun on a quiet machine "
+          "(or pass --allow_load to write it marked)", file=sys.stderr)
+    sys.exit(1)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(result, f, indent=2)
+  print(f"\nwrote {path}")
