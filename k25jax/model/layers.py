@@ -41,6 +41,21 @@ class RMSNorm(nn.Module):
     return (weight.astype(jnp.float32) * normed).astype(self.dtype)
 
 
+def project(x: jax.Array, kernel: jax.Array, n_in: int = 1) -> jax.Array:
+  """y[..., o] = Σ_i x[..., i] · W[i, o] over the last `n_in` axes of x and the first of W.
+
+  The leading axes of x are flattened into one for the dot and restored after. The result is
+  the same; what changes is XLA:CPU's layout choice for the backward: with [batch, seq] kept
+  apart, the kernel gradient Σ_{b,s} x ⊗ dy gets a transposed copy of dy materialised first,
+  which made the reference dense MLP's forward + backward 0.109 s instead of 0.068 s.
+  """
+  lead = x.shape[:x.ndim - n_in]
+  flat = x.reshape((-1,) + x.shape[x.ndim - n_in:])
+  contract = (tuple(range(1, n_in + 1)), tuple(range(n_in)))
+  y = jax.lax.dot_general(flat, kernel, (contract, ((), ())))
+  return y.reshape(lead + kernel.shape[n_in:])
+
+
 class Linear(nn.Module):
   """A bias-free projection x·W over the last `len(in_axes)` axes.
 
@@ -63,8 +78,7 @@ class Linear(nn.Module):
     kernel = self.param("kernel", nn.with_logical_partitioning(normal_init(self.std), self.axes),
                         in_shape + out_shape, self.param_dtype)
     n_in = len(in_shape)
-    contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-    y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ())))
+    y = project(x.astype(self.dtype), kernel.astype(self.dtype), n_in)
     if self.use_bias:
       bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, self.axes[n_in:]),
                         out_shape, self.param_dtype)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from k25jax.model import media as media_lib
 from k25jax.model.attention import MLA
 from k25jax.model.config import ModelConfig
-from k25jax.model.layers import MLP, RMSNorm, dtype_of, normal_init
+from k25jax.model.layers import MLP, RMSNorm, dtype_of, normal_init, project
 from k25jax.model.moe import MoE
 
 ACTIVATION = ("activation_batch", "activation_length", "activation_embed")
@@ -147,7 +147,7 @@ class Transformer(nn.Module):
       kernel = self.param("lm_head", nn.with_logical_partitioning(normal_init(cfg.initializer_range),
                                                                   ("embed", "vocab")),
                           (cfg.hidden_size, cfg.vocab_size), dtype_of(cfg.param_dtype))
-      logits = jnp.dot(h, kernel.astype(h.dtype))
+      logits = project(h, kernel.astype(h.dtype))
     logits = nn.with_logical_constraint(logits.astype(jnp.float32),
                                         ("activation_batch", "activation_length", "activation_vocab"))
     aux = {
