@@ -79,12 +79,29 @@ def init_section(k25: bool = False) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(fields)
 
 
-def adamw_section(lr: float, warmup_steps: int, decay_steps: int, *, weight_decay: float = 0.0,
-                  b2: float = 0.95, grad_clip: float = 1.0) -> ml_collections.ConfigDict:
-  """An `optimizer` section for AdamW under the warmup–stable–decay schedule."""
-  return ml_collections.ConfigDict(dict(name="adamw", lr=lr, warmup_steps=warmup_steps, decay_steps=decay_steps,
-                                        final_lr_ratio=0.1, b1=0.9, b2=b2, eps=1e-8, weight_decay=weight_decay,
-                                        grad_clip=grad_clip))
+def optimizer_section(lr: float, warmup_steps: int, decay_steps: int, *, name: str = "adamw",
+                      weight_decay: float = 0.0, b2: float = 0.95, grad_clip: float = 1.0
+                      ) -> ml_collections.ConfigDict:
+  """An `optimizer` section under the warmup–stable–decay schedule (`k25jax/train/optimizer.py`),
+  with every field of both optimizers, so `--config.optimizer.name` switches between them."""
+  return ml_collections.ConfigDict(dict(
+      name=name,                           # adamw | muonclip (Muon + QK-Clip, AdamW for the rest)
+      lr=lr,
+      warmup_steps=warmup_steps,           # warmup → stable → cosine decay (WSD)
+      decay_steps=decay_steps,
+      final_lr_ratio=0.1,
+      b1=0.9,
+      b2=b2,
+      eps=1e-8,
+      weight_decay=weight_decay,
+      grad_clip=grad_clip,
+      # muonclip only (b1, b2, eps above are its AdamW half's):
+      momentum=0.95,                       # Nesterov momentum of Muon
+      nesterov=True,
+      ns_steps=5,                          # Newton–Schulz iterations
+      rms_scale=0.2,                       # Muon update · rms_scale · sqrt(max(rows, cols))
+      qk_clip_tau=100.0,                   # QK-Clip threshold τ on the max pre-softmax logit
+  ))
 
 
 def mesh_section(**sizes) -> ml_collections.ConfigDict:

@@ -39,7 +39,8 @@ def get_config(arg=None):
       vision_eval_batches=1,
   ))
 
-  c.optimizer = common.adamw_section(lr=3e-4, warmup_steps=5, decay_steps=20, weight_decay=0.1)
+  c.optimizer = common.optimizer_section(lr=3e-4, warmup_steps=5, decay_steps=20, name="muonclip",
+                                         weight_decay=0.1)
 
   c.mesh = common.mesh_section(data=1, sequence=-1)
 

@@ -33,7 +33,7 @@ def get_config(arg=None):
   c.warm_start = ml_collections.ConfigDict(dict(
       demonstrations=6000, steps=400, batch=128, seed=0, pack=True, log_every=50,
       checkpoint_every=200, router_bias_rate=1e-3, max_consecutive_skipped=10,
-      optimizer=common.adamw_section(3e-3, 40, 150)))
+      optimizer=common.optimizer_section(3e-3, 40, 150)))
 
   c.parl = ml_collections.ConfigDict(dict(
       budget=4,                    # CriticalSteps budget per episode (truncates, never zeroes)
@@ -48,7 +48,7 @@ def get_config(arg=None):
   c.rl = ml_collections.ConfigDict(dict(prompts_per_iteration=16, num_generations=8, minibatches=2, temperature=1.0))
 
   c.loss = common.policy_loss_section()
-  c.optimizer = common.adamw_section(3e-4, 5, 0)
+  c.optimizer = common.optimizer_section(3e-4, 5, 0)
   c.mesh = common.mesh_section()
   c.train = ml_collections.ConfigDict(dict(
       steps=120, log_every=10, eval_every=20, checkpoint_every=40, keep_checkpoints=2, seed=0, router_bias_rate=1e-3,

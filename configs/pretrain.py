@@ -46,24 +46,8 @@ def get_config(arg=None):
         vision_eval_batches=2,               # held-out vision-only batches per evaluation
     ))
 
-  c.optimizer = ml_collections.ConfigDict(dict(
-      name="adamw",                        # adamw | muonclip (Muon + QK-Clip, AdamW for the rest)
-      lr=1e-3 if tiny else 6e-4,
-      warmup_steps=20 if tiny else 500,     # warmup → stable → cosine decay (WSD)
-      decay_steps=100 if tiny else 4000,
-      final_lr_ratio=0.1,
-      b1=0.9,
-      b2=0.95,
-      eps=1e-8,
-      weight_decay=0.1,
-      grad_clip=1.0,
-      # muonclip only (b1, b2, eps above are its AdamW half's):
-      momentum=0.95,                       # Nesterov momentum of Muon
-      nesterov=True,
-      ns_steps=5,                          # Newton–Schulz iterations
-      rms_scale=0.2,                       # Muon update · rms_scale · sqrt(max(rows, cols))
-      qk_clip_tau=100.0,                   # QK-Clip threshold τ on the max pre-softmax logit
-  ))
+  c.optimizer = common.optimizer_section(1e-3 if tiny else 6e-4, 20 if tiny else 500, 100 if tiny else 4000,
+                                         name="muonclip" if joint or k25 else "adamw", weight_decay=0.1)
 
   # Device counts per axis; -1 takes the devices left over.
   c.mesh = common.mesh_section() if tiny else common.mesh_section(data=1, fsdp=-1)
@@ -84,7 +68,7 @@ def get_config(arg=None):
       max_consecutive_skipped=10,        # skipped (non-finite) updates in a row that stop the run
   ))
   if k25:   # a pod: 64-way expert parallel (6 experts a chip), FSDP over the rest; 4.2M tokens a step
-    c.optimizer.update(name="muonclip", lr=2e-4)
+    c.optimizer.lr = 2e-4
     c.mesh.update(fsdp=-1, expert=64)
     c.train.update(batch=1024, seq_len=4096)
   return c

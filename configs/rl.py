@@ -45,7 +45,7 @@ def get_config(arg=None):
       demonstrations=20000, p_scratch=0.5, p_check=0.5,
       steps=250, batch=128, seed=0, pack=False, log_every=50, checkpoint_every=250, router_bias_rate=1e-3,
       max_consecutive_skipped=10,
-      optimizer=common.adamw_section(3e-3, 50, 100)))
+      optimizer=common.optimizer_section(3e-3, 50, 100)))
 
   c.rl = ml_collections.ConfigDict(dict(
       prompts_per_iteration=32, num_generations=8, minibatches=2,
@@ -56,7 +56,7 @@ def get_config(arg=None):
   c.toggle = ml_collections.ConfigDict(dict(
       enabled="toggle" in switches, m=5, rho=50.0, accuracy_threshold=0.6, budget_samples=8))
 
-  c.optimizer = common.adamw_section(2e-4, 5, 0)
+  c.optimizer = common.optimizer_section(2e-4, 5, 0)
   c.mesh = common.mesh_section()
   c.train = ml_collections.ConfigDict(dict(
       steps=150, log_every=10, eval_every=10, checkpoint_every=50, keep_checkpoints=2, seed=0,
@@ -82,7 +82,7 @@ def vision_config(switches: set) -> ml_collections.ConfigDict:
       max_turns=4, max_context=496, turn_tokens=160, eval_samples=2))
   c.loss = common.policy_loss_section()
   c.sandbox = common.sandbox_section(sessions=32)
-  c.optimizer = common.adamw_section(2e-4, 5, 0)
+  c.optimizer = common.optimizer_section(2e-4, 5, 0)
   c.mesh = common.mesh_section()
   c.train = ml_collections.ConfigDict(dict(
       steps=30, log_every=5, eval_every=10, checkpoint_every=10, keep_checkpoints=2, seed=0, router_bias_rate=1e-3,

@@ -36,7 +36,7 @@ def get_config(arg=None):
   c.train = ml_collections.ConfigDict(dict(
       steps=1000, batch=16, visual_batch=8, seed=0, log_every=50, checkpoint_every=200, keep_checkpoints=2,
       router_bias_rate=1e-3, balance_loss_alpha=1e-4, z_loss=0.0, max_consecutive_skipped=10))
-  c.optimizer = common.adamw_section(3e-3, 30, 300)
+  c.optimizer = common.optimizer_section(3e-3, 30, 300)
 
   c.sandbox = common.sandbox_section(sessions=16)
 

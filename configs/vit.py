@@ -26,7 +26,7 @@ def get_config(arg=None):
       max_patches=768,                       # the vision tower's patch budget per batch
   ))
 
-  c.optimizer = common.adamw_section(lr=2e-3, warmup_steps=10, decay_steps=50)
+  c.optimizer = common.optimizer_section(lr=2e-3, warmup_steps=10, decay_steps=50, name="muonclip")
 
   c.vit = ml_collections.ConfigDict(dict(
       projector_only_from=150,               # phase 2 (projector alone) from this step

@@ -44,14 +44,17 @@ SFT_STARTS = ("zero_vision", "text_vision", "zero_vision_no_base")
 STAGES = ("base", "sft", "rl")
 
 
-def load(path: str, arg: str, stage: str, args):
+def load(path: str, arg: str, stage: str, args, defaults: tuple[str, ...] = ()):
+  """The stage's config with `defaults` (field=value) applied, then the --set overrides of `stage`."""
   config = config_utils.load_config_file(os.path.join(ROOT, "configs", path), arg)
-  config_utils.apply_overrides(config, [s.split(".", 1)[1] for s in args.set if s.split(".", 1)[0] == stage])
+  overrides = [s.split(".", 1)[1] for s in args.set if s.split(".", 1)[0] == stage]
+  config_utils.apply_overrides(config, [*defaults, *overrides])
   return config
 
 
 def base_config(args):
-  config = load("pretrain.py", "joint", "base", args)
+  # AdamW, as when the committed results were measured (the joint preset's default is MuonClip now).
+  config = load("pretrain.py", "joint", "base", args, defaults=("optimizer.name=adamw",))
   config.model = load("sft.py", "tiny", "sft", args).model      # the chat model of the SFT and RL stages
   return config
 

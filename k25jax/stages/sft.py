@@ -198,6 +198,7 @@ def run(config: ml_collections.ConfigDict, workdir: str):
     state = trainer.start(config.init)
     loss_fn = objective.for_section(model, config.train)
     step = trainer.train_step(loss_fn, router_bias_rate=config.train.router_bias_rate,
+                              qk_clip_tau=optimizer.qk_clip_tau(config.optimizer),
                               batch_specs=multimodal.batch_specs(visual is not None, FEATURES))
     rows = config.train.batch + (config.train.visual_batch if visual is not None else 0)
     state, _ = trainer.fit(state, step, lambda n: multimodal.to_device(batches(n), mesh), config.train,

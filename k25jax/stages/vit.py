@@ -3,8 +3,8 @@
 Per step, on batches of synthetic vision samples only (k25jax.data.mixture, ratio 1):
 
     L = CE over the answer tokens (captions, counts, read text, chart values, motion)
-    phase 1, step < vit.projector_only_from:  θ_vit, θ_proj ← AdamW(θ, ∇L)
-    phase 2, after:                           θ_proj ← AdamW(θ_proj, ∇L),  θ_vit fixed
+    phase 1, step < vit.projector_only_from:  θ_vit, θ_proj ← AdamW or MuonClip(θ, ∇L)
+    phase 2, after:                           θ_proj ← AdamW or MuonClip(θ_proj, ∇L),  θ_vit fixed
     θ_LM frozen throughout (no gradient is computed for it; the optimizer sets its updates to 0)
 
 The language model starts from `init.text_checkpoint` (a text pretrain workdir), or all
@@ -27,20 +27,13 @@ LM, VIT, PROJECTOR = k25.LANGUAGE_MODEL, k25.VISION_TOWER, k25.PROJECTOR
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """AdamW (WSD schedule, clipped per part) on the tower and the projector, the tower's
-  updates gated to 0 from step `vit.projector_only_from`; the language model never moves."""
-  opt = config.optimizer
-  if opt.name != "adamw":
-    raise ValueError(f"optimizer.name={opt.name!r}: the vit stage uses 'adamw'")
-  schedule = optimizer.wsd_schedule(opt.lr, config.train.steps, opt.warmup_steps, opt.decay_steps,
-                                    opt.final_lr_ratio)
-  adamw = lambda: optax.chain(
-      optax.clip_by_global_norm(opt.grad_clip),
-      optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
-                  mask=optimizer.decay_mask))
+  """`optimizer.name` (AdamW or MuonClip; WSD schedule, clipped per part) on the tower and the
+  projector, the tower's updates gated to 0 from step `vit.projector_only_from`; the language
+  model never moves (and QK-Clip, which acts on it, is off in this stage)."""
+  part = lambda: optimizer.make_optimizer(config.optimizer, config.train.steps)
   boundary = config.vit.projector_only_from
   vit_gate = optax.scale_by_schedule(lambda count: jnp.where(count < boundary, 1.0, 0.0))
-  return optax.multi_transform({VIT: optax.chain(adamw(), vit_gate), PROJECTOR: adamw(),
+  return optax.multi_transform({VIT: optax.chain(part(), vit_gate), PROJECTOR: part(),
                                 LM: optax.set_to_zero()}, lambda params: {k: k for k in params})
 
 

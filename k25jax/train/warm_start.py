@@ -37,6 +37,7 @@ def train(section: ml_collections.ConfigDict, model, tokens: np.ndarray, weights
     state = trainer.start()
     logging.info("warm start: %d demonstrations packed into %d rows, %d steps of %d rows, from step %d in %s",
                  len(tokens), n_rows, section.steps, section.batch, int(state.step), workdir)
-    step = trainer.train_step(objective.next_token(model), router_bias_rate=section.router_bias_rate)
+    step = trainer.train_step(objective.next_token(model), router_bias_rate=section.router_bias_rate,
+                              qk_clip_tau=optimizer.qk_clip_tau(section.optimizer))
     state, history = trainer.fit(state, step, batch_at, section, tokens_per_step=section.batch * (tokens.shape[1] - 1))
   return state.params, history
