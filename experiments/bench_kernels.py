@@ -3,7 +3,9 @@
     python experiments/bench_kernels.py [--presets small,k25 --steps 5 --out experiments/results/bench_kernels.json]
 
 Per preset (`k25jax.model.config.preset`) and kernel, the median time of `--steps`
-interleaved calls after warm-up, and the achieved rate:
+interleaved calls after warm-up, and the achieved rate; the load beside each case is
+recorded and nothing is written if any case ran beside other work (`interleave.py`;
+`--allow_load` writes it marked):
 
 * routing   ours (fused kernel + sort)   vs the XLA `route` + stable argsort;  GB/s of logits in + scores out
 * gmm       ours                         vs megablox gmm (TPU), `jax.lax.ragged_dot`;   TFLOP/s, 2·m·K·N
@@ -24,12 +26,12 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import interleave  # experiments/interleave.py, beside this script
 from k25jax.model import attention as model_attention
 from k25jax.model import config as model_config
 from pallas_kernels import mla_attention, mla_decode, moe
@@ -43,8 +45,9 @@ SIZES = {
 }
 
 
-def round_robin(closures: dict, steps: int) -> dict:
-  """Median seconds per closure, timed in interleaved rounds (noise hits all alike); errors kept."""
+def round_robin(closures: dict, steps: int) -> tuple[dict, float]:
+  """Median seconds per closure, timed in interleaved rounds (noise hits all alike; errors kept),
+  and the cores other processes used meanwhile (`interleave.LoadMeter`)."""
   ok, results = {}, {}
   for name, fn in closures.items():
     try:
@@ -52,14 +55,10 @@ def round_robin(closures: dict, steps: int) -> dict:
       ok[name] = fn
     except Exception as e:  # noqa: BLE001  (a peer missing on this backend is a row, not a crash)
       results[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-  times = {name: [] for name in ok}
-  for _ in range(steps):
-    for name, fn in ok.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
-      times[name].append(time.perf_counter() - start)
+  times, other_cores = interleave.round_robin({name: lambda fn=fn: jax.block_until_ready(fn())
+                                               for name, fn in ok.items()}, steps, warmup=0)
   results.update({name: statistics.median(t) for name, t in times.items()})
-  return results
+  return results, other_cores
 
 
 def _random_groups(rows, n_groups, seed=0):
@@ -197,6 +196,8 @@ def main():
   parser.add_argument("--kernels", default=",".join(CASES))
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--out", default="experiments/results/bench_kernels.json")
+  parser.add_argument("--max_load", type=float, default=interleave.MAX_LOAD, help="cores other processes may use")
+  parser.add_argument("--allow_load", action="store_true", help="write the result even if a case was loaded")
   args = parser.parse_args()
 
   backend = jax.default_backend()
@@ -205,16 +206,17 @@ def main():
           "CPU: only the XLA paths are timed (float32, reduced sizes); the Pallas kernels run in the "
           "interpreter here, whose timings mean nothing")
   print(f"backend {backend} ({jax.devices()[0].device_kind}), {os.cpu_count()} CPUs; {note}")
-  rows = []
+  rows, loads = [], []
   for preset in args.presets.split(","):
     cfg = model_config.preset(preset)
     dtype = jnp.dtype(cfg.dtype) if compiled else jnp.float32
     for kernel in args.kernels.split(","):
       shape, closures, (unit, amount) = CASES[kernel](cfg, SIZES[preset], compiled, dtype)
-      results = round_robin(closures, args.steps)
+      results, other_cores = round_robin(closures, args.steps)
+      loads.append(other_cores)
       ours = results.get("ours")
       for impl, secs in results.items():
-        row = dict(preset=preset, kernel=kernel, impl=impl, shape=shape, unit=unit)
+        row = dict(preset=preset, kernel=kernel, impl=impl, shape=shape, unit=unit, other_cores=other_cores)
         if isinstance(secs, str):
           row["error"] = secs
         else:
@@ -228,10 +230,11 @@ def main():
         ratio = f"{row['time_vs_ours']:6.2f}x" if "time_vs_ours" in row else "      -"
         print(f"{preset:6s} {kernel:18s} {impl:40s} {shape:34s} {ms} ms {rate} {ratio}", flush=True)
 
+  loaded = interleave.refuse_if_loaded(loads, args.max_load, args.allow_load)
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(dict(backend=backend, device=jax.devices()[0].device_kind, cpus=os.cpu_count(), note=note,
-                   steps=args.steps, jax=jax.__version__, time_vs_ours="peer time / our time (>1: ours faster)",
+                   steps=args.steps, jax=jax.__version__, loaded=loaded, max_load=args.max_load, time_vs_ours="peer time / our time (>1: ours faster)",
                    rows=rows), f, indent=2)
   print(f"wrote {args.out}")
 

@@ -18,7 +18,9 @@ Per layout, in the same run and interleaved:
              waiting sub-agent turns in one sampler call (rows padded to ≥ 8, a power of two).
 * unbatched: `widesearch.run_episode` plays the episodes one after another and every
              sub-agent turn is decoded alone (batch 1, the same length buckets).
-Timed as the median of `--runs` runs after one warm-up run (which compiles every shape).
+Timed as the median of `--runs` runs after one warm-up run (which compiles every shape),
+with the load beside each run recorded; nothing is written if a run ran beside other work
+(`interleave.py`; `--allow_load` writes it marked).
 Reports episodes/s, generated sub-agent tokens/s, sampler calls, and the ratios: wall of
 W agents / wall of 1 agent (same driver, and against one agent decoded alone at batch 1,
 the cheapest way to run a single agent, since the swarm pads a lone row to 8), next to
@@ -39,6 +41,7 @@ import time
 import jax
 import numpy as np
 
+import interleave  # experiments/interleave.py, beside this script
 from k25jax.agents import dsl, swarm, widesearch
 from k25jax.model import transformer
 from k25jax.rl import sampler
@@ -127,6 +130,8 @@ def main():
   parser.add_argument("--budget", type=int, default=widesearch.DEFAULT_BUDGET)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "bench_swarm"))
+  parser.add_argument("--max_load", type=float, default=interleave.MAX_LOAD, help="cores other processes may use")
+  parser.add_argument("--allow_load", action="store_true", help="write the result even if a run was loaded")
   args = parser.parse_args()
 
   config = load_config()
@@ -142,14 +147,19 @@ def main():
   layouts = {f"{e}x{k}": (layout_tasks(e, k, args.entities_per_agent, args.seed), k) for e, k in LAYOUTS}
   walls = {(name, d): [] for name in layouts for d in drivers}
   info = {}
+  loads = []
   for rep in range(args.runs + 1):                 # run 0 is the warm-up (compiles every shape)
-    for name, (tasks, k) in layouts.items():
-      for d, drive in drivers.items():
-        results, wall, counts = drive(policy, tasks, k, args.budget)
-        if rep:
-          walls[(name, d)].append(wall)
-        info[(name, d)] = (results, counts)
-    print(f"  run {rep}{' (warm-up)' if rep == 0 else ''} done")
+    with interleave.LoadMeter() as load:
+      for name, (tasks, k) in layouts.items():
+        for d, drive in drivers.items():
+          results, wall, counts = drive(policy, tasks, k, args.budget)
+          if rep:
+            walls[(name, d)].append(wall)
+          info[(name, d)] = (results, counts)
+    if rep:
+      loads.append(load.other_cores)
+    print(f"  run {rep}{' (warm-up)' if rep == 0 else ''} done; other processes used {load.other_cores:.2f} cores")
+  loaded = interleave.refuse_if_loaded(loads, args.max_load, args.allow_load)
 
   rows = []
   for name, (tasks, k) in layouts.items():
@@ -196,7 +206,8 @@ def main():
   with open(args.out + ".json", "w") as f:
     json.dump({"rows": rows, "subagents": source, "threads": threads, "platform": platform.platform(),
                "jax": jax.__version__, "budget": args.budget, "entities_per_agent": args.entities_per_agent,
-               "runs": args.runs, "max_new_tokens": policy.sampling.max_new_tokens,
+               "runs": args.runs, "other_cores": loads, "loaded": loaded, "max_load": args.max_load,
+               "max_new_tokens": policy.sampling.max_new_tokens,
                "vocab": dsl.VOCAB_SIZE, "model": config.model.to_dict()}, f, indent=1)
   print(f"wrote {args.out}.json")
 

@@ -9,6 +9,8 @@
   work beside it: a process that saw more than `max_load` cores of it is marked loaded.
 * Several processes, one after the other (`run_processes`): the figure is the median
   over unloaded processes of each contender's median, with the range across processes.
+* Benchmarks that time in their own loops measure the load with `LoadMeter` and call
+  `refuse_if_loaded` before writing.
 """
 from __future__ import annotations
 
@@ -36,6 +38,20 @@ def own_seconds() -> float:
   return times.user + times.system
 
 
+class LoadMeter:
+  """`with LoadMeter() as load:` ... then `load.other_cores`: the cores other processes used
+  meanwhile (the machine's busy CPU time minus this process's, over the wall time)."""
+
+  def __enter__(self) -> "LoadMeter":
+    self.other_cores = float("nan")
+    self._busy, self._own, self._start = busy_seconds(), own_seconds(), time.perf_counter()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    wall = time.perf_counter() - self._start
+    self.other_cores = max(0.0, (busy_seconds() - self._busy) - (own_seconds() - self._own)) / wall
+
+
 def round_robin(closures: dict[str, Callable[[], object]], steps: int, warmup: int
                 ) -> tuple[dict[str, list[float]], float]:
   """Step times of each closure over `steps` interleaved rounds after `warmup` calls each, and
@@ -44,14 +60,13 @@ def round_robin(closures: dict[str, Callable[[], object]], steps: int, warmup: i
     for _ in range(warmup):
       fn()
   times = {name: [] for name in closures}
-  busy, own, start = busy_seconds(), own_seconds(), time.perf_counter()
-  for _ in range(steps):
-    for name, fn in closures.items():
-      t = time.perf_counter()
-      fn()
-      times[name].append(time.perf_counter() - t)
-  wall = time.perf_counter() - start
-  return times, max(0.0, (busy_seconds() - busy) - (own_seconds() - own)) / wall
+  with LoadMeter() as load:
+    for _ in range(steps):
+      for name, fn in closures.items():
+        t = time.perf_counter()
+        fn()
+        times[name].append(time.perf_counter() - t)
+  return times, load.other_cores
 
 
 def run_processes(script: str, args: list[str], processes: int) -> list[dict]:
@@ -86,16 +101,22 @@ def summarize(runs: list[dict], peer: str, work: float, max_load: float = MAX_LO
           "loaded_processes": len(runs) - len(clean), "max_load": max_load}
 
 
+def refuse_if_loaded(other_cores: list[float], max_load: float, allow_load: bool) -> bool:
+  """Whether any timed stretch ran beside more than `max_load` cores of other work; if so and
+  `allow_load` is off, exits 1 saying so (no ratio timed under load may land in a results file)."""
+  loaded = sum(c > max_load for c in other_cores)
+  if loaded and not allow_load:
+    print(f"\n{loaded} of {len(other_cores)} timed stretches ran beside other work (more than {max_load} "
+          f"cores: {[round(c, 2) for c in other_cores]}): nothing written; rerun on a quiet machine (or pass "
+          "--allow_load to write it marked)", file=sys.stderr)
+    sys.exit(1)
+  return bool(loaded)
+
+
 def write_unless_loaded(path: str, result: dict, allow_load: bool) -> None:
   """Writes `result` (marked "loaded") unless a process ran beside other work and `allow_load`
-  is off; then exits 1 saying why, so no ratio timed under load lands in a results file."""
-  loaded = result["loaded_processes"]
-  result["loaded"] = bool(loaded)
-  if loaded and not allow_load:
-    print(f"\n{loaded} of {len(result['other_cores'])} processes ran beside other work (more than "
-          f"{result['max_load']} cores: {result['other_cores']}): nothing written; rerun on a quiet machine "
-          "(or pass --allow_load to write it marked)", file=sys.stderr)
-    sys.exit(1)
+  is off (`refuse_if_loaded`)."""
+  result["loaded"] = refuse_if_loaded(result["other_cores"], result["max_load"], allow_load)
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w") as f:
     json.dump(result, f, indent=2)
