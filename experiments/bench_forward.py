@@ -158,7 +158,7 @@ def part_closures(cfg, params, hf_model, tokens: np.ndarray) -> dict:
     return run
 
   def head(p, x):
-    logits = x @ p
+    logits = layers.project(x, p)                  # as the model's LM head
     return losses.next_token_loss(logits, targets["targets"], targets["loss_mask"])[0] * jnp.ones_like(x)
 
   def hf_head(x):
@@ -251,9 +251,10 @@ def print_table(summary: dict, args) -> None:
   print(f"tiny K2 decoder, train step on batch {args.batch} x seq {args.seq}, CPU ({os.cpu_count()} cores), "
         f"{len(summary['other_cores'])} process(es) x {args.steps} interleaved steps; other processes used "
         + ", ".join(f"{c:.2f}" for c in summary["other_cores"]) + " cores")
-  print(f"{'contender':22s} {'step s':>8s} {'tok/s':>8s} {'vs transformers':>16s}  per process")
+  print(f"{'contender':22s} {'step s':>8s} {'tok/s':>8s} {'vs best transformers':>21s}  per process "
+        f"(best: {summary['peer']})")
   for name, row in summary["contenders"].items():
-    print(f"{name:22s} {row['median_s']:8.3f} {row['per_s']:8.0f} {row['speed_vs_peer']:15.2f}x  "
+    print(f"{name:22s} {row['median_s']:8.3f} {row['per_s']:8.0f} {row['speed_vs_peer']:20.2f}x  "
           + " ".join(f"{r:.2f}" for r in row["speed_vs_peer_per_process"]))
   if "parts" in summary:
     print(f"\n{'part (fwd+bwd)':42s} {'k25jax s':>9s} {PEER + ' s':>15s} {'ratio':>7s}")
@@ -282,7 +283,7 @@ def main():
   runs = interleave.run_processes(__file__, [f"--batch={args.batch}", f"--seq={args.seq}", f"--steps={args.steps}",
                                            f"--warmup={args.warmup}"] + (["--parts"] if args.parts else []),
                                   args.processes)
-  summary = interleave.summarize(runs, PEER, args.batch * args.seq, args.max_load)
+  summary = interleave.summarize(runs, [PEER, f"{PEER} eager"], args.batch * args.seq, args.max_load)
   if args.parts:
     summary["parts"] = part_table(runs, summary, args.max_load)
   print_table(summary, args)

@@ -93,7 +93,7 @@ def main():
     return
   runs = interleave.run_processes(__file__, [f"--batch={args.batch}", f"--prompt={args.prompt}", f"--new={args.new}",
                                            f"--steps={args.steps}", f"--warmup={args.warmup}"], args.processes)
-  summary = interleave.summarize(runs, PEER, args.batch * args.new, args.max_load)
+  summary = interleave.summarize(runs, [PEER], args.batch * args.new, args.max_load)
   print(f"greedy decode, batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, CPU ({os.cpu_count()} "
         f"cores), {args.processes} process(es) x {args.steps} interleaved runs; other processes used "
         + ", ".join(f"{c:.2f}" for c in summary["other_cores"]) + " cores")

@@ -81,10 +81,10 @@ def run_processes(script: str, args: list[str], processes: int) -> list[dict]:
   return runs
 
 
-def summarize(runs: list[dict], peer: str, work: float, max_load: float = MAX_LOAD) -> dict:
+def summarize(runs: list[dict], peers: list[str], work: float, max_load: float = MAX_LOAD) -> dict:
   """Per contender (runs[i]["times"]): the median over unloaded processes (all, if none was
   unloaded) of its median time, the range of its times, `work` per second, and its speed
-  against `peer` overall and per process."""
+  against the best of `peers` (the fastest median among them), overall and per process."""
   clean = [r for r in runs if r["other_cores"] <= max_load]
   use = clean or runs
   table = {}
@@ -93,11 +93,12 @@ def summarize(runs: list[dict], peer: str, work: float, max_load: float = MAX_LO
     table[name] = {"median_s": statistics.median(medians), "process_medians_s": medians,
                    "range_s": [min(min(r["times"][name]) for r in use), max(max(r["times"][name]) for r in use)],
                    "per_s": work / statistics.median(medians)}
+  best = min(peers, key=lambda name: table[name]["median_s"])
   for row in table.values():
-    row["speed_vs_peer"] = table[peer]["median_s"] / row["median_s"]
-    row["speed_vs_peer_per_process"] = [p / o for p, o in zip(table[peer]["process_medians_s"],
-                                                                row["process_medians_s"])]
-  return {"contenders": table, "other_cores": [r["other_cores"] for r in runs],
+    row["speed_vs_peer"] = table[best]["median_s"] / row["median_s"]
+    row["speed_vs_peer_per_process"] = [min(table[p]["process_medians_s"][i] for p in peers) / o
+                                        for i, o in enumerate(row["process_medians_s"])]
+  return {"contenders": table, "peer": best, "peers": list(peers), "other_cores": [r["other_cores"] for r in runs],
           "loaded_processes": len(runs) - len(clean), "max_load": max_load}
 
 
