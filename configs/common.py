@@ -110,11 +110,13 @@ def mesh_section(**sizes) -> ml_collections.ConfigDict:
 
 
 def policy_loss_section() -> ml_collections.ConfigDict:
-  """The `loss` section of the RL stages (`k25jax.rl.policy_loss`)."""
+  """The `loss` section of the RL stages (`k25jax.rl.policy_loss`). `normalize="group"` is Eq. 1's
+  1/N: N the tokens of the K = rl.num_generations responses of one prompt (a minibatch holds
+  whole groups), the prompts averaged; "batch", the minibatch's token mean, is an ablation."""
   return ml_collections.ConfigDict(dict(
       name="k25",                      # k25 | ppo | grpo | cispo
       alpha=-0.5, beta=0.5, tau=0.01,  # K2.5: band [alpha, beta] on the log ratio, squared log-ratio penalty
-      normalize="batch",               # batch | group
+      normalize="group",               # group (Eq. 1) | batch (an ablation)
       eps=0.2, eps_high=0.28))         # clip ranges of the ablation losses
 
 

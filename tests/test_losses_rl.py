@@ -141,6 +141,31 @@ def test_normalization_on_unequal_lengths(normalize, expected):
   np.testing.assert_allclose(loss, expected, rtol=1e-6)
 
 
+def test_group_normalization_is_eq1_per_prompt_by_hand():
+  """Eq. 1 with N the tokens of ONE prompt's K responses, the prompts averaged: two prompts
+  (K = 2) whose responses total 5 and 2 tokens, log ρ in and out of the band, τ > 0."""
+  log_ratio = np.array([[0.1, -0.2, 0.7, 0.0], [0.3, 0.05, 0.0, 0.0],       # prompt 0: 3 + 2 tokens
+                        [-0.9, 0.0, 0.0, 0.0], [0.2, 0.0, 0.0, 0.0]], np.float32)   # prompt 1: 1 + 1
+  mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0]], np.float32)
+  old = np.full_like(log_ratio, -1.0)
+  adv, tau = np.array([0.5, -0.5, 1.0, -1.0], np.float32), 0.1
+  per_prompt = []
+  for rows in ([0, 1], [2, 3]):
+    total, n = 0.0, 0.0
+    for j in rows:
+      for i in range(4):
+        if mask[j, i]:
+          lr = float(log_ratio[j, i])
+          in_band = -0.5 <= lr <= 0.5
+          total += (math.exp(lr) * adv[j] if in_band else 0.0) - tau * lr ** 2
+          n += 1
+    per_prompt.append(-total / n)
+  loss, _ = rl.k25_policy_loss(old + log_ratio, old, adv, mask, tau=tau, normalize="group", group_size=2, **BAND)
+  np.testing.assert_allclose(loss, np.mean(per_prompt), rtol=1e-5)
+  batch, _ = rl.k25_policy_loss(old + log_ratio, old, adv, mask, tau=tau, normalize="batch", **BAND)
+  assert abs(float(batch) - np.mean(per_prompt)) > 0.05       # the minibatch token mean is another loss
+
+
 def test_group_normalization_gradient_weights():
   logp = np.zeros((6, 3), np.float32)
   g = grad_wrt_logp(rl.k25_policy_loss, logp, logp, NORM_ADV, NORM_MASK, tau=0.0,

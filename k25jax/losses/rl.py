@@ -23,8 +23,12 @@ Normalisation (`normalize`), with n_j = Σ_i mask_ji the valid tokens of respons
 where the groups g are consecutive blocks of `group_size` rows (the K samples of one
 prompt, as `group_advantages` expects), G⁺ counts the groups with N_g > 0 and B⁺ the
 rows with n_j > 0 (an empty group or row contributes nothing and is not averaged in).
-"batch" is Eq. 1's 1/N; "group" weights every prompt equally whatever the length of
-its responses; "sequence" is the original GRPO per-response mean.
+"group" is Eq. 1's 1/N: in the paper N is the token count of the K responses of ONE
+prompt, so every prompt weighs the same whatever the length of its responses, and the
+prompts of a batch are averaged (the RL configs' default, `loss.normalize`). "batch",
+the token mean over the whole batch, weighs a prompt by the length of its responses: an
+ablation, and the default of these functions for callers without groups. "sequence" is
+the original GRPO per-response mean.
 """
 from __future__ import annotations
 
@@ -60,17 +64,21 @@ def grpo_advantages(rewards: jax.Array, group_size: int, *, eps: float = 1e-6) -
 
 def k25_policy_loss(logp, old_logp, advantages, mask, *, alpha: float, beta: float, tau: float,
                     normalize: str = "batch", group_size: int | None = None):
-  """The Kimi K2.5 policy loss (Eq. 1), token-level clipping by masking:
+  """The Kimi K2.5 policy loss (Eq. 1), token-level clipping by masking; for one prompt
+  with K responses j = 1…K and N the number of their tokens:
 
       L = −(1/N) Σ_j Σ_i [ M_ji · ρ_ji · A_j  −  τ · (log ρ_ji)² ]
       ρ_ji = π_θ(y_ji) / π_old(y_ji) = exp(logp − old_logp)
       M_ji = 1[α ≤ log ρ_ji ≤ β]        held constant (stop-gradient)
 
+  and over a batch of prompts the mean of their L: `normalize="group"` with
+  `group_size` = K (the paper's N; see the module docstring). `normalize="batch"`
+  instead divides the whole batch's sum by its token count N (an ablation).
   Tokens outside the band [α, β] get no policy gradient whatever the sign of A_j;
   the τ term applies to every valid token, so its gradient, ∂L/∂logp_ji =
   2τ · log ρ_ji / N, is all that is left there. At θ = θ_old (ρ = 1) the gradient is
-  −A_j · mask_ji / N. With `normalize` ≠ "batch" the 1/N becomes the weights in the
-  module docstring. Shapes: logp, old_logp, mask [B, T]; advantages [B] or [B, T].
+  −A_j · mask_ji / N (with "group", N = N_g times the number of non-empty groups).
+  Shapes: logp, old_logp, mask [B, T]; advantages [B] or [B, T].
 
   Requires α < 0 < β and τ ≥ 0 (ValueError otherwise; checked when the values are
   concrete, i.e. not traced). Returns (L, metrics):
@@ -79,7 +87,7 @@ def k25_policy_loss(logp, old_logp, advantages, mask, *, alpha: float, beta: flo
     log_ratio_mean, log_ratio_sq_mean, ratio_max, kl_k3: token means over valid tokens
         (kl_k3 = ρ − 1 − log ρ, Schulman's k3 estimate of KL(π_old ‖ π_θ));
     policy_loss, tau_loss: the two parts of L (L = policy_loss + tau_loss);
-    tokens: N.
+    tokens: the valid tokens of the batch.
   """
   _check_k25_hparams(alpha, beta, tau)
   logp, old_logp, adv, mask = _prepare(logp, old_logp, advantages, mask)
