@@ -23,14 +23,19 @@ def _small(config):
   return config
 
 
-def test_vision_rl_trains_on_image_prompts(tmp_path):
-  config = _small(load_config("configs/rl.py", "vision"))
+def _start(config, tmp_path) -> str:
+  """A K2.5 workdir of random params of the config's model."""
   start = tmp_path / "start"
-  saver = checkpoint.Checkpoints(str(start), keep=1)     # a K2.5 workdir: random params
+  saver = checkpoint.Checkpoints(str(start), keep=1)
   cfg = config_utils.k25_config_from(config.model, chat.ChatTokenizer())
   saver.save(0, {"params": k25.init_params(cfg, jax.random.PRNGKey(0))})
   saver.close()
-  config.init.checkpoint = str(start)
+  return str(start)
+
+
+def test_vision_rl_trains_on_image_prompts(tmp_path):
+  config = _small(load_config("configs/rl.py", "vision"))
+  config.init.checkpoint = _start(config, tmp_path)
   state, history = rl_vision.run(config, str(tmp_path / "run"))
   train = [h for h in history if h["split"] == "train"]
   assert [h["iteration"] for h in train] == [1, 2] and int(state.step) == 2
@@ -38,6 +43,21 @@ def test_vision_rl_trains_on_image_prompts(tmp_path):
   assert [h["iteration"] for h in history if h["split"] == "eval"] == [0, 2]
   evals = [h for h in history if h["split"] == "eval"]
   assert all(0.0 <= h["accuracy"] <= 1.0 and 0.0 <= h["greedy_accuracy"] <= 1.0 for h in evals)
+
+
+@pytest.mark.slow
+def test_vision_rl_with_muonclip_clips_the_decoder_heads(tmp_path):
+  """An RL update of the K2.5 model with MuonClip: with τ below every logit, QK-Clip clips
+  every head of the decoder nested under language_model/."""
+  config = _small(load_config("configs/rl.py", "vision"))
+  config.optimizer.update(name="muonclip", qk_clip_tau=1e-3)
+  config.train.update(steps=1, eval_every=1)
+  config.init.checkpoint = _start(config, tmp_path)
+  _, history = rl_vision.run(config, str(tmp_path / "run"))
+  train, = [h for h in history if h["split"] == "train"]
+  text = config.model.text
+  assert train["qk_clip/clipped_heads"] == text.num_hidden_layers * text.num_attention_heads
+  assert np.isfinite(train["loss"]) and train["finite"] == 1.0
 
 
 def test_vision_rl_needs_a_start_and_refuses_toggle():
