@@ -141,7 +141,7 @@ class MLA(nn.Module):
       logits = jnp.where(visible, logits, -jnp.inf)
       max_logits = jnp.max(logits, axis=(0, 2, 3))
       probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
-      out_latent = jnp.einsum("bhts,bsc->bthc", probs, cache["latent"].astype(q.dtype))
+      out_latent = jnp.swapaxes(jnp.einsum("bhts,bsc->bhtc", probs, cache["latent"].astype(q.dtype)), 1, 2)
     out = jnp.einsum("bthc,chv->bthv", out_latent, w_uv)
     return self.o_proj(out), max_logits, cache
 
