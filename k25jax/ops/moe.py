@@ -57,15 +57,18 @@ def _swiglu(x, gate, up, down, in_spec: str, out_spec: str):
 def experts_dense(x, experts, weights, gate, up, down):
   """Every expert on every token: y_t = Σ_e w_{t,e} FFN_e(x_t) with w = 0 off the top-k.
 
-  The routing weight scales each expert's hidden before the down projection,
-  y_t = Σ_{e,f} (w_{t,e} · h_{t,e,f}) · down_{e,f,:}, so that product is one matmul
-  [T, E·f] × [E·f, d] (no [T, E, d] intermediate, no per-expert batch of small products).
+  The gate and up products are batched over experts, reading each [d, f] kernel where it
+  lies (contracting d of [E, d, f] as one matmul would copy a transposed [d, E·f] kernel
+  first, at every decode step). The routing weight scales each expert's hidden before the
+  down projection, y_t = Σ_{e,f} (w_{t,e} · h_{e,t,f}) · down_{e,f,:}, one contraction
+  over (e, f) with no [T, E, d] intermediate.
   """
   n_experts = gate.shape[0]
   dense_w = (jax.nn.one_hot(experts, n_experts, dtype=jnp.float32) * weights[..., None]).sum(1)
-  h = jax.nn.silu(jnp.einsum("td,edf->tef", x, gate)) * jnp.einsum("td,edf->tef", x, up)      # [T, E, f]
-  weighted = (h.astype(jnp.float32) * dense_w[..., None]).astype(down.dtype)
-  return jnp.einsum("tef,efd->td", weighted, down, preferred_element_type=jnp.float32)
+  xe = jnp.broadcast_to(x, (n_experts,) + x.shape)          # batched over experts: gate, up unmoved
+  h = jax.nn.silu(jnp.einsum("etd,edf->etf", xe, gate)) * jnp.einsum("etd,edf->etf", xe, up)  # [E, T, f]
+  weighted = (h.astype(jnp.float32) * dense_w.T[..., None]).astype(down.dtype)
+  return jnp.einsum("etf,efd->td", weighted, down, preferred_element_type=jnp.float32)
 
 
 def sort_by_expert(experts: jax.Array, n_experts: int):
