@@ -1,4 +1,5 @@
 """k25jax.losses.next_token_loss against a NumPy reference."""
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -46,3 +47,11 @@ def test_accuracy_and_perfect_prediction():
   loss, metrics = losses.next_token_loss(logits, targets, np.array([[1.0, 1.0, 0.0]]))
   assert float(loss) < 1e-6
   assert float(metrics["accuracy"]) == 1.0
+
+
+def test_first_argmax_is_argmax_ties_included():
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.integers(0, 3, size=(6, 5, 7)).astype(np.float32))   # many ties
+  np.testing.assert_array_equal(losses.first_argmax(logits), jnp.argmax(logits, axis=-1))
+  row = jnp.asarray([[0.0, jnp.nan, 1.0]])
+  assert int(losses.first_argmax(row)[0]) == 3     # a NaN row matches no target

