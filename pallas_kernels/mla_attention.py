@@ -6,8 +6,8 @@ For one (batch row, head), with d_qk ≠ d_v (192/128 for K2.5, 48/32 for the ti
     o_i  = Σ_j p_ij v_j,   p_ij = exp(s_ij − M_i) / ℓ_i   over visible j,
     M_i  = max_j s_ij,     ℓ_i = Σ_j exp(s_ij − M_i),     lse_i = M_i + log ℓ_i.
 
-Forward (one program per query block of `block_q` rows; keys in blocks of `block_k`,
-only up to the diagonal), online softmax in float32: per key block,
+Forward (a program per query block of `block_q` rows, visiting the key blocks of
+`block_k` up to the diagonal), online softmax in float32: per key block,
 
     M' = max(M, rowmax s),  ℓ' = e^{M−M'} ℓ + Σ_j e^{s_ij−M'},  acc' = e^{M−M'} acc + e^{s−M'} V,
 
@@ -19,23 +19,46 @@ Backward (FlashAttention-2), with D_i = Σ_c dO_ic O_ic and p_ij = exp(s_ij − 
     dV_j = Σ_i p_ij dO_i,   dP_ij = dO_i·V_j,   dS_ij = p_ij (dP_ij − D_i),
     dK_j = scale Σ_i dS_ij q_i,   dQ_i = scale Σ_j dS_ij k_j.
 
-One kernel per key block computes dK, dV (query blocks from the diagonal down), another
-per query block computes dQ; the max-logit output has no gradient (as in the XLA path).
+One kernel per key block accumulates dK, dV over the query blocks from the diagonal down,
+another per query block accumulates dQ over the key blocks up to the diagonal; the
+max-logit output has no gradient (as in the XLA path).
 
-The kernels see [batch, heads, seq, dim] and a whole row's keys/values (or queries) per
-program, which both Mosaic and Triton lower; the sequence is padded to the block, and
-for Triton the head dims to powers of two (zeros change no dot product). The XLA
-reference is `k25jax.ops.attention.causal_attention`.
+The kernels see [batch, heads, seq, dim], the sequence padded to both blocks (padding is
+segment 0, never a real key), in one of two formulations:
+
+* tiled (TPU, and the interpreter by default): the visited blocks are a grid axis too,
+  grid (b, h, owned block, visited block), the last one sequential ("arbitrary"). The
+  state (M, ℓ, acc; or dK, dV; or dQ) lives in f32 VMEM scratch: zeroed at the first
+  visited block, updated by each tile at or below the diagonal (`pl.when`; past the
+  diagonal the index map repeats the last needed block, so no copy is issued), written
+  out at the last. A program holds, at any length, double-buffered tiles and its state:
+  forward q, o [bq, ·], k, v [bk, ·], M, ℓ [bq, 1] and acc [bq, d_v]; dK/dV k, v, dK, dV
+  [bk, ·], q, dO, lse, D [bq, ·] and dK, dV [bk, d_qk + d_v]; dQ q, dO, lse, D, dQ
+  [bq, ·], k, v [bk, ·] and dQ [bq, d_qk]. At K2.5 dims (d_qk 192, d_v 128) in bf16 with
+  the TPU blocks (256, 512), compiled for a v5p chip (libtpu, no TPU): 1.8 / 3.7 / 2.6
+  MiB of scoped VMEM for forward / dK,dV / dQ at 8K–32K tokens, 2.8 / 4.2 / 3.0 MiB at
+  262,144 (Mosaic spends about a byte a token on each [seq, 1] column: segments, lse,
+  D), against the default 16 MiB limit. Whole K/V rows per program needed 24.75 MiB at 32K.
+* rows (GPU; Triton has no scratch and runs grid programs concurrently): grid (b, h,
+  owned block), the visited side a whole row that the kernel walks with `fori_loop`. On
+  Triton a block is a pointer, and each step loads one [block, d] tile, so a program's
+  registers and shared memory are O(block) there too. The head dims are padded to
+  powers of two (zeros change no dot product).
+
+The XLA reference is `k25jax.ops.attention.causal_attention`.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from k25jax.ops import attention as xla_attention
 from pallas_kernels import common
@@ -56,6 +79,7 @@ class _Static:
   block_q: int
   block_k: int
   where: str          # "tpu" | "gpu" | "interpret"
+  tiled: bool         # the TPU formulation (grid over both sides); else the GPU one (row loops)
 
 
 # ------------------------------------------------------------------------------ in-kernel math
@@ -72,137 +96,261 @@ def _visible(q_start, q_seg, k_start, k_seg, shape):
   return (q_pos >= k_pos) & (q_seg == k_seg)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, max_ref, *, st: _Static):
-  bq, bk = st.block_q, st.block_k
-  q_start = pl.program_id(2) * bq
-  q, q_seg = q_ref[...], q_seg_ref[...]
+def _last_k(i, st: _Static):
+  """The last key block at or below the diagonal of query block i."""
+  return lax.div(i * st.block_q + st.block_q - 1, st.block_k)
 
-  def step(j, carry):
-    m, l, acc = carry
-    k_start = pl.multiple_of(j * bk, bk)
-    v = v_ref[pl.ds(k_start, bk), :]
-    s = _scores(q, k_ref[pl.ds(k_start, bk), :], st.scale)
-    s = jnp.where(_visible(q_start, q_seg, k_start, k_seg_ref[:, pl.ds(k_start, bk)], s.shape), s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)      # a row with nothing visible yet
-    p = jnp.exp(s - m_safe)
-    alpha = jnp.exp(m - m_safe)
-    l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-    acc = alpha * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return m_new, l, acc
 
-  init = (jnp.full((bq, 1), -jnp.inf, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
-          jnp.zeros((bq, v_ref.shape[-1]), jnp.float32))
-  n_blocks = lax.div(q_start + bq + bk - 1, bk)             # key blocks up to the diagonal
-  m, l, acc = lax.fori_loop(0, n_blocks, step, init)
+def _first_q(j, st: _Static):
+  """The first query block at or below the diagonal of key block j."""
+  return lax.div(j * st.block_k, st.block_q)
+
+
+def _softmax_step(q, k, v, mask, scale, m, l, acc):
+  """One key block of the online softmax: (M, ℓ, acc) → (M', ℓ', acc')."""
+  s = jnp.where(mask, _scores(q, k, scale), -jnp.inf)
+  m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)        # a row with nothing visible yet
+  p = jnp.exp(s - m_safe)
+  alpha = jnp.exp(m - m_safe)
+  l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+  acc = alpha * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return m_new, l, acc
+
+
+def _write_softmax(o_ref, lse_ref, max_ref, m, l, acc):
   o_ref[...] = (acc / l).astype(o_ref.dtype)                 # ℓ ≥ 1: the diagonal is visible
   lse_ref[...] = m + jnp.log(l)
   max_ref[...] = m
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, q_seg_ref, k_seg_ref, dk_ref, dv_ref, *,
-                st: _Static):
+def _probs_and_ds(q, k, v, do, lse, d, mask, scale):
+  """p_ij = exp(s_ij − lse_i) over visible pairs and dS_ij = p_ij (dO_i·V_j − D_i) of a tile."""
+  p = jnp.where(mask, jnp.exp(_scores(q, k, scale) - lse), 0.0)
+  dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  return p, p * (dp - d)
+
+
+def _dkv_step(q, k, v, do, lse, d, mask, scale, dk, dv):
+  """dV += pᵀ dO, dK += dSᵀ q over one tile (dK's factor `scale` is applied at the end)."""
+  p, ds = _probs_and_ds(q, k, v, do, lse, d, mask, scale)
+  dv = dv + lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+  dk = dk + lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+  return dk, dv
+
+
+def _dq_step(q, k, v, do, lse, d, mask, scale, dq):
+  """dQ += dS k over one tile (the factor `scale` is applied at the end)."""
+  _, ds = _probs_and_ds(q, k, v, do, lse, d, mask, scale)
+  return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+
+# ------------------------------------------------------------------------------ tiled kernels (TPU)
+def _fwd_tiled_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, max_ref,
+                      m_ref, l_ref, acc_ref, *, st: _Static):
+  i, j = pl.program_id(2), pl.program_id(3)
+
+  @pl.when(j == 0)
+  def _init():
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  @pl.when(j <= _last_k(i, st))
+  def _step():
+    mask = _visible(i * st.block_q, q_seg_ref[...], j * st.block_k, k_seg_ref[...],
+                    (st.block_q, st.block_k))
+    m, l, acc = _softmax_step(q_ref[...], k_ref[...], v_ref[...], mask, st.scale,
+                              m_ref[...], l_ref[...], acc_ref[...])
+    m_ref[...], l_ref[...], acc_ref[...] = m, l, acc
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _finish():
+    _write_softmax(o_ref, lse_ref, max_ref, m_ref[...], l_ref[...], acc_ref[...])
+
+
+def _dkv_tiled_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, q_seg_ref, k_seg_ref, dk_ref, dv_ref,
+                      dk_acc, dv_acc, *, st: _Static):
+  j, i = pl.program_id(2), pl.program_id(3)
+
+  @pl.when(i == 0)
+  def _init():
+    dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+    dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+  @pl.when(i >= _first_q(j, st))
+  def _step():
+    mask = _visible(i * st.block_q, q_seg_ref[...], j * st.block_k, k_seg_ref[...],
+                    (st.block_q, st.block_k))
+    dk, dv = _dkv_step(q_ref[...], k_ref[...], v_ref[...], do_ref[...], lse_ref[...], d_ref[...],
+                       mask, st.scale, dk_acc[...], dv_acc[...])
+    dk_acc[...], dv_acc[...] = dk, dv
+
+  @pl.when(i == pl.num_programs(3) - 1)
+  def _finish():
+    dk_ref[...] = (dk_acc[...] * st.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+def _dq_tiled_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, q_seg_ref, k_seg_ref, dq_ref, dq_acc, *,
+                     st: _Static):
+  i, j = pl.program_id(2), pl.program_id(3)
+
+  @pl.when(j == 0)
+  def _init():
+    dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
+
+  @pl.when(j <= _last_k(i, st))
+  def _step():
+    mask = _visible(i * st.block_q, q_seg_ref[...], j * st.block_k, k_seg_ref[...],
+                    (st.block_q, st.block_k))
+    dq_acc[...] = _dq_step(q_ref[...], k_ref[...], v_ref[...], do_ref[...], lse_ref[...], d_ref[...],
+                           mask, st.scale, dq_acc[...])
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _finish():
+    dq_ref[...] = (dq_acc[...] * st.scale).astype(dq_ref.dtype)
+
+
+# ------------------------------------------------------------------------------ row kernels (GPU)
+def _fwd_rows_kernel(q_ref, k_ref, v_ref, q_seg_ref, k_seg_ref, o_ref, lse_ref, max_ref, *, st: _Static):
   bq, bk = st.block_q, st.block_k
-  k_start = pl.program_id(2) * bk
+  i = pl.program_id(2)
+  q, q_seg = q_ref[...], q_seg_ref[...]
+
+  def step(j, carry):
+    k_start = pl.multiple_of(j * bk, bk)
+    keys = pl.ds(k_start, bk)
+    mask = _visible(i * bq, q_seg, k_start, k_seg_ref[:, keys], (bq, bk))
+    return _softmax_step(q, k_ref[keys, :], v_ref[keys, :], mask, st.scale, *carry)
+
+  init = (jnp.full((bq, 1), -jnp.inf, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
+          jnp.zeros((bq, v_ref.shape[-1]), jnp.float32))
+  _write_softmax(o_ref, lse_ref, max_ref, *lax.fori_loop(0, _last_k(i, st) + 1, step, init))
+
+
+def _dkv_rows_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, q_seg_ref, k_seg_ref, dk_ref, dv_ref, *,
+                     st: _Static):
+  bq, bk = st.block_q, st.block_k
+  j = pl.program_id(2)
   k, v, k_seg = k_ref[...], v_ref[...], k_seg_ref[...]
 
   def step(i, carry):
-    dk, dv = carry
     q_start = pl.multiple_of(i * bq, bq)
-    q = q_ref[pl.ds(q_start, bq), :]
-    do = do_ref[pl.ds(q_start, bq), :]
-    s = _scores(q, k, st.scale)
-    mask = _visible(q_start, q_seg_ref[pl.ds(q_start, bq), :], k_start, k_seg, s.shape)
-    p = jnp.where(mask, jnp.exp(s - lse_ref[pl.ds(q_start, bq), :]), 0.0)
-    dv = dv + lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
-                              preferred_element_type=jnp.float32)
-    dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    ds = p * (dp - d_ref[pl.ds(q_start, bq), :])
-    dk = dk + lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
-                              preferred_element_type=jnp.float32)
-    return dk, dv
+    queries = pl.ds(q_start, bq)
+    mask = _visible(q_start, q_seg_ref[queries, :], j * bk, k_seg, (bq, bk))
+    return _dkv_step(q_ref[queries, :], k, v, do_ref[queries, :], lse_ref[queries, :],
+                     d_ref[queries, :], mask, st.scale, *carry)
 
   init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-  first = lax.div(k_start, bq)                               # query blocks from the diagonal down
-  dk, dv = lax.fori_loop(first, q_ref.shape[0] // bq, step, init)
+  dk, dv = lax.fori_loop(_first_q(j, st), q_ref.shape[0] // bq, step, init)
   dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, q_seg_ref, k_seg_ref, dq_ref, *, st: _Static):
+def _dq_rows_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, d_ref, q_seg_ref, k_seg_ref, dq_ref, *,
+                    st: _Static):
   bq, bk = st.block_q, st.block_k
-  q_start = pl.program_id(2) * bq
+  i = pl.program_id(2)
   q, do, lse, d, q_seg = q_ref[...], do_ref[...], lse_ref[...], d_ref[...], q_seg_ref[...]
 
   def step(j, dq):
     k_start = pl.multiple_of(j * bk, bk)
-    k = k_ref[pl.ds(k_start, bk), :]
-    s = _scores(q, k, st.scale)
-    mask = _visible(q_start, q_seg, k_start, k_seg_ref[:, pl.ds(k_start, bk)], s.shape)
-    p = jnp.where(mask, jnp.exp(s - lse), 0.0)
-    dp = lax.dot_general(do, v_ref[pl.ds(k_start, bk), :], (((1,), (1,)), ((), ())),
-                         preferred_element_type=jnp.float32)
-    ds = p * (dp - d)
-    return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+    keys = pl.ds(k_start, bk)
+    mask = _visible(i * bq, q_seg, k_start, k_seg_ref[:, keys], (bq, bk))
+    return _dq_step(q, k_ref[keys, :], v_ref[keys, :], do, lse, d, mask, st.scale, dq)
 
-  n_blocks = lax.div(q_start + bq + bk - 1, bk)
-  dq = lax.fori_loop(0, n_blocks, step, jnp.zeros(q.shape, jnp.float32))
+  dq = lax.fori_loop(0, _last_k(i, st) + 1, step, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
 
 
 # ------------------------------------------------------------------------------ pallas_calls
-def _specs(st: _Static, seq: int):
-  """BlockSpecs over [b, h, seq, d] arrays: one block of rows, or the whole row."""
-  def rows(block, dim):
-    return pl.BlockSpec((None, None, block, dim), lambda b, h, i: (b, h, i, 0))
+def _rows(block, dim, index):
+  """[b, h, seq, dim] in blocks of `block` rows; `index(*grid ids after b, h)` picks the block."""
+  return pl.BlockSpec((None, None, block, dim), lambda b, h, *g: (b, h, index(*g), 0))
 
-  def whole(dim):
-    return pl.BlockSpec((None, None, seq, dim), lambda b, h, i: (b, h, 0, 0))
 
-  q_seg_rows = lambda block: pl.BlockSpec((None, block, 1), lambda b, h, i: (b, i, 0))
-  k_seg_rows = lambda block: pl.BlockSpec((None, 1, block), lambda b, h, i: (b, 0, i))
-  return rows, whole, q_seg_rows, k_seg_rows
+def _q_seg(block, index):
+  return pl.BlockSpec((None, block, 1), lambda b, h, *g: (b, index(*g), 0))
+
+
+def _k_seg(block, index):
+  return pl.BlockSpec((None, 1, block), lambda b, h, *g: (b, 0, index(*g)))
+
+
+class _Walk(NamedTuple):
+  """How a pass walks [b, h, seq, ·]: a program owns one block of rows and visits the other side."""
+  tail: tuple[int, ...]          # the grid after (b, h)
+  own: Callable                  # grid ids after (b, h) → the owned block
+  block: int                     # rows of a visited block (the whole row in the rows formulation)
+  visit: Callable                # grid ids after (b, h) → the visited block
+
+
+def _walk(st: _Static, seq: int, own: int, other: int, clamp) -> _Walk:
+  """Tiled: grid (b, h, seq/own, seq/other), the visited block at `clamp(i, j)`, which past
+  the diagonal repeats the last needed block, so no copy is issued for it. Rows: grid
+  (b, h, seq/own), the whole row visited."""
+  if st.tiled:
+    return _Walk((seq // own, seq // other), lambda i, j: i, other, clamp)
+  return _Walk((seq // own,), lambda i: i, seq, lambda i: 0)
+
+
+def _call(kernels, st: _Static, b: int, h: int, walk: _Walk, scratch, **kwargs):
+  """pallas_call of the (tiled, rows) kernel; `scratch`: shapes of the tiled kernel's f32 state."""
+  tiled_kernel, rows_kernel = kernels
+  semantics = ("parallel",) * 3 + ("arbitrary",) * (len(walk.tail) - 1)
+  return pl.pallas_call(
+      functools.partial(tiled_kernel if st.tiled else rows_kernel, st=st), grid=(b, h, *walk.tail),
+      scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch] if st.tiled else (),
+      compiler_params=common.compiler_params(st.where, semantics),
+      interpret=st.where == "interpret", **kwargs)
 
 
 def _forward(q, k, v, q_seg, k_seg, st: _Static):
   b, h, seq, dqk = q.shape
   dv = v.shape[-1]
-  rows, whole, q_seg_rows, k_seg_rows = _specs(st, seq)
+  bq = st.block_q
+  w = _walk(st, seq, bq, st.block_k, lambda i, j: jnp.minimum(j, _last_k(i, st)))
+  bk = w.block
   stat = jax.ShapeDtypeStruct((b, h, seq, 1), jnp.float32)
-  return pl.pallas_call(
-      functools.partial(_fwd_kernel, st=st),
-      grid=(b, h, seq // st.block_q),
-      in_specs=[rows(st.block_q, dqk), whole(dqk), whole(dv), q_seg_rows(st.block_q), k_seg_rows(seq)],
-      out_specs=[rows(st.block_q, dv), rows(st.block_q, 1), rows(st.block_q, 1)],
+  return _call(
+      (_fwd_tiled_kernel, _fwd_rows_kernel), st, b, h, w, [(bq, 1), (bq, 1), (bq, dv)],
+      in_specs=[_rows(bq, dqk, w.own), _rows(bk, dqk, w.visit), _rows(bk, dv, w.visit),
+                _q_seg(bq, w.own), _k_seg(bk, w.visit)],
+      out_specs=[_rows(bq, dv, w.own), _rows(bq, 1, w.own), _rows(bq, 1, w.own)],
       out_shape=[jax.ShapeDtypeStruct((b, h, seq, dv), q.dtype), stat, stat],
-      compiler_params=common.compiler_params(st.where, ("parallel",) * 3),
-      interpret=st.where == "interpret",
   )(q, k, v, q_seg, k_seg)
 
 
 def _backward(q, k, v, q_seg, k_seg, o, lse, do, st: _Static):
   b, h, seq, dqk = q.shape
   dv = v.shape[-1]
-  rows, whole, q_seg_rows, k_seg_rows = _specs(st, seq)
   delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1, keepdims=True)
-  params = common.compiler_params(st.where, ("parallel",) * 3)
-  dk, dv_ = pl.pallas_call(
-      functools.partial(_dkv_kernel, st=st),
-      grid=(b, h, seq // st.block_k),
-      in_specs=[whole(dqk), rows(st.block_k, dqk), rows(st.block_k, dv), whole(dv), whole(1), whole(1),
-                q_seg_rows(seq), k_seg_rows(st.block_k)],
-      out_specs=[rows(st.block_k, dqk), rows(st.block_k, dv)],
+
+  bk = st.block_k                                            # dK, dV: a program per key block
+  w = _walk(st, seq, bk, st.block_q, lambda j, i: jnp.maximum(i, _first_q(j, st)))
+  bq = w.block
+  dk, dv_ = _call(
+      (_dkv_tiled_kernel, _dkv_rows_kernel), st, b, h, w, [(bk, dqk), (bk, dv)],
+      in_specs=[_rows(bq, dqk, w.visit), _rows(bk, dqk, w.own), _rows(bk, dv, w.own),
+                _rows(bq, dv, w.visit), _rows(bq, 1, w.visit), _rows(bq, 1, w.visit),
+                _q_seg(bq, w.visit), _k_seg(bk, w.own)],
+      out_specs=[_rows(bk, dqk, w.own), _rows(bk, dv, w.own)],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      compiler_params=params, interpret=st.where == "interpret",
   )(q, k, v, do, lse, delta, q_seg, k_seg)
-  dq = pl.pallas_call(
-      functools.partial(_dq_kernel, st=st),
-      grid=(b, h, seq // st.block_q),
-      in_specs=[rows(st.block_q, dqk), whole(dqk), whole(dv), rows(st.block_q, dv), rows(st.block_q, 1),
-                rows(st.block_q, 1), q_seg_rows(st.block_q), k_seg_rows(seq)],
-      out_specs=rows(st.block_q, dqk),
+
+  bq = st.block_q                                            # dQ: a program per query block
+  w = _walk(st, seq, bq, st.block_k, lambda i, j: jnp.minimum(j, _last_k(i, st)))
+  bk = w.block
+  dq = _call(
+      (_dq_tiled_kernel, _dq_rows_kernel), st, b, h, w, [(bq, dqk)],
+      in_specs=[_rows(bq, dqk, w.own), _rows(bk, dqk, w.visit), _rows(bk, dv, w.visit),
+                _rows(bq, dv, w.own), _rows(bq, 1, w.own), _rows(bq, 1, w.own),
+                _q_seg(bq, w.own), _k_seg(bk, w.visit)],
+      out_specs=_rows(bq, dqk, w.own),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      compiler_params=params, interpret=st.where == "interpret",
   )(q, k, v, do, lse, delta, q_seg, k_seg)
   return dq, dk, dv_
 
@@ -239,18 +387,23 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
   q, k: [b, s, h, d_qk]; v: [b, s, h, d_v]; segment_ids: [b, s] int, 0 = padding (padding
   queries are left out of the max). Returns (out [b, s, h, d_v], max_logits [h] float32).
   Blocks default per target (`DEFAULT_BLOCKS`), shrunk for short sequences; `interpret`
-  None = compile on TPU/GPU, interpret elsewhere; `formulation` "gpu" pads the head dims
-  to powers of two as Triton needs (the default on a GPU; for tests in the interpreter).
+  None = compile on TPU/GPU, interpret elsewhere; `formulation` "tpu" tiles both sides
+  over the grid with VMEM scratch (the default off a GPU), "gpu" walks whole rows and pads
+  the head dims to powers of two as Triton needs (the default on a GPU; for tests in the
+  interpreter).
   """
   where = common.target(interpret)
   formulation = formulation or ("gpu" if where == "gpu" else "tpu")
+  if formulation not in ("tpu", "gpu") or (where, formulation) == ("gpu", "tpu"):
+    raise ValueError(f"formulation={formulation!r} on {where!r}: 'gpu', or 'tpu' off a GPU "
+                     "(Triton has no scratch memory for the tiled grid)")
   batch, seq, heads, dqk = q.shape
   dv = v.shape[-1]
   default_q, default_k = DEFAULT_BLOCKS[where]
   cap = common.next_pow2(seq, MIN_BLOCK[where])
   bq, bk = min(block_q or default_q, cap), min(block_k or default_k, cap)
-  padded = common.cdiv(seq, max(bq, bk)) * max(bq, bk)
-  st = _Static(float(scale), bq, bk, where)
+  padded = common.cdiv(seq, math.lcm(bq, bk)) * math.lcm(bq, bk)
+  st = _Static(float(scale), bq, bk, where, formulation == "tpu")
 
   seg = jnp.ones((batch, seq), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
   seg = common.pad_to(seg, 1, padded)                        # padded rows: segment 0, never a real key

@@ -3,8 +3,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
-from pallas_kernels import mla_attention
+from pallas_kernels import common, mla_attention
 
 
 def _close(actual, expected, rtol):
@@ -32,6 +33,10 @@ CASES = {
     "one_block_no_segments": (16, 16, 16, False, "tpu", jnp.float32, 1e-5, 1e-5),
     "gpu_padded_heads": (24, 8, 16, True, "gpu", jnp.float32, 1e-5, 1e-5),
     "bf16": (24, 8, 8, True, "tpu", jnp.bfloat16, 1e-2, 2e-2),   # measured 5e-3, 7.5e-3
+    # K tiling on: several key blocks per query block, the length not a multiple of the block
+    "tiled_200_blocks_64": (200, 64, 64, True, "tpu", jnp.float32, 1e-5, 1e-5),
+    "tiled_256_keys_narrower": (256, 64, 32, True, "tpu", jnp.float32, 1e-5, 1e-5),
+    "tiled_200_keys_wider": (200, 64, 128, True, "tpu", jnp.float32, 1e-5, 1e-5),
 }
 
 
@@ -70,3 +75,29 @@ def test_padding_queries_are_left_out_of_the_max():
   _, ref_max = mla_attention.reference(q, k, v, 0.2, segments)
   _close(max_logits, ref_max, 1e-5)
   assert float(jnp.max(max_logits)) < 50.0
+
+
+def test_tpu_blocks_do_not_grow_with_the_sequence(monkeypatch):
+  """At 32K tokens (K2.5 head dims), every block a program holds is at most a block of rows."""
+  shapes, pallas_call = [], pl.pallas_call
+
+  def recording(*args, in_specs, out_specs, **kwargs):
+    specs = [*in_specs, *(out_specs if isinstance(out_specs, list) else [out_specs])]
+    shapes.extend(s.block_shape for s in specs)
+    return pallas_call(*args, in_specs=in_specs, out_specs=out_specs, **kwargs)
+
+  monkeypatch.setattr(pl, "pallas_call", recording)
+  seq, block = 32768, 512
+  S = jax.ShapeDtypeStruct
+  fn = lambda q, k, v: jnp.sum(mla_attention.flash_attention(q, k, v, 0.1, block_q=256, block_k=block)[0])
+  jax.eval_shape(jax.grad(fn, argnums=(0, 1, 2)), S((1, seq, 2, 192), jnp.bfloat16),
+                 S((1, seq, 2, 192), jnp.bfloat16), S((1, seq, 2, 128), jnp.bfloat16))
+  assert len(shapes) == 8 + 10 + 9                          # forward, dK/dV, dQ
+  assert max(d for shape in shapes for d in shape if d is not None) == block
+
+
+def test_the_tiled_formulation_is_refused_on_a_gpu(monkeypatch):
+  monkeypatch.setattr(common, "target", lambda interpret=None: "gpu")
+  q, k, v, _ = _inputs(16, jnp.float32, False)
+  with pytest.raises(ValueError, match="Triton has no scratch"):
+    mla_attention.flash_attention(q, k, v, 0.2, formulation="tpu")
