@@ -2,12 +2,16 @@
 
 `jax.export` lowers for a platform without its hardware, which runs Pallas's own
 lowering (block shapes, memory spaces, the primitives used in the kernels, Triton's
-power-of-two sizes). Compiling the lowered kernels still needs the accelerator.
+power-of-two sizes). Compiling the lowered kernels still needs the accelerator, except
+for TPU where libtpu is installed: it compiles for a chip it describes, without one.
 """
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 import pytest
 from jax import export
+from jax.sharding import SingleDeviceSharding
 
 from pallas_kernels import common, mla_attention, mla_decode, moe
 
@@ -19,10 +23,21 @@ def _loss(fn):
   return lambda *a: jnp.sum(fn(*a).astype(jnp.float32))
 
 
+def _attention_grad():
+  return jax.grad(_loss(lambda q, k, v, seg: mla_attention.flash_attention(q, k, v, 0.1, seg)[0]),
+                  argnums=(0, 1, 2))
+
+
+def _attention_args(seq, heads, dqk, dv, **sharding):
+  """Abstract q, k, v [1, seq, heads, ·] (bf16) and segment ids [1, seq]."""
+  qkv = [S((1, seq, heads, d), BF16, **sharding) for d in (dqk, dqk, dv)]
+  return qkv + [S((1, seq), jnp.int32, **sharding)]
+
+
 KERNELS = {   # name → () → (a fresh function, so no trace is shared between platforms; abstract arguments)
-    "attention_fwd_bwd": lambda: (
-        jax.grad(_loss(lambda q, k, v, seg: mla_attention.flash_attention(q, k, v, 0.1, seg)[0]), argnums=(0, 1, 2)),
-        (S((1, 256, 2, 96), BF16), S((1, 256, 2, 96), BF16), S((1, 256, 2, 64), BF16), S((1, 256), jnp.int32))),
+    "attention_fwd_bwd": lambda: (_attention_grad(), _attention_args(256, 2, 96, 64)),
+    # K2.5 head dims at 32K; on TPU, K/V tiled in blocks of 512 keys
+    "attention_fwd_bwd_32k": lambda: (_attention_grad(), _attention_args(32768, 1, 192, 128)),
     "decode": lambda: (
         lambda *a: mla_decode.latent_attention(*a, 0.1),
         (S((2, 1, 16, 256), BF16), S((2, 1, 16, 32), BF16), S((2, 1024, 256), BF16), S((2, 1024, 32), BF16),
@@ -47,3 +62,18 @@ def test_kernel_lowers(kernel, platform, monkeypatch):
   exported = export.export(jax.jit(fn), platforms=[PLATFORMS[platform]], disabled_checks=unstable_ok)(*args)
   custom_call = "tpu_custom_call" if platform == "tpu" else "xla.gpu.triton"
   assert custom_call in exported.mlir_module()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed (pip install -e '.[tpu]'): the TPU compiler, no TPU needed")
+def test_attention_compiles_for_a_v5p_chip_at_262k_tokens(monkeypatch):
+  """K2.5 head dims at the full 262,144-token context: the tiled kernels fit the chip's scoped VMEM
+  (whole K/V rows per program, as before tiling, ran out of it already at 32K)."""
+  monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")      # other test processes may hold libtpu's lock
+  monkeypatch.setattr(common, "target", lambda interpret=None: "tpu")
+  from jax.experimental import topologies
+  chip = SingleDeviceSharding(topologies.get_topology_desc("v5p:2x2x1", "tpu").devices[0])
+  args = _attention_args(262144, 1, 192, 128, sharding=chip)
+  with jax.default_matmul_precision("default"):   # conftest's "highest" asks Mosaic for fp32 matmuls of bf16
+    compiled = jax.jit(_attention_grad()).lower(*args).compile()
+  assert compiled.memory_analysis().temp_size_in_bytes > 0
