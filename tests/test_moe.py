@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from k25jax.model import config, moe
+from k25jax.ops import moe as moe_ops
 
 E, D, F = 8, 16, 12
 
@@ -28,10 +29,11 @@ def _routing(case, n_tokens=24, top_k=2, seed=0):
 
 
 PATHS = {
-    "ragged_block4": lambda *a: moe.experts_ragged(*a, block=4),
-    "ragged_block1": lambda *a: moe.experts_ragged(*a, block=1),
-    "ragged_auto": moe.experts_ragged,
-    "ragged_dot": moe.experts_ragged_dot,
+    "ragged_or_dense": moe_ops.experts_ragged_or_dense,
+    "ragged_block4": lambda *a: moe_ops.experts_ragged(*a, block=4),
+    "ragged_block1": lambda *a: moe_ops.experts_ragged(*a, block=1),
+    "ragged_auto": moe_ops.experts_ragged,
+    "ragged_dot": moe_ops.experts_ragged_dot,
 }
 
 
@@ -45,7 +47,7 @@ def test_paths_equal_dense_values_and_gradients(case, path):
     return lambda x, w, g, u, d: jnp.sum(jnp.sin(fn(x, experts, w, g, u, d)))
 
   args = (x, weights, gate, up, down)
-  ref_val, ref_grads = jax.value_and_grad(loss(moe.experts_dense), argnums=range(5))(*args)
+  ref_val, ref_grads = jax.value_and_grad(loss(moe_ops.experts_dense), argnums=range(5))(*args)
   val, grads = jax.value_and_grad(loss(PATHS[path]), argnums=range(5))(*args)
   np.testing.assert_allclose(val, ref_val, rtol=1e-5)
   for g, r in zip(grads, ref_grads):
@@ -54,10 +56,19 @@ def test_paths_equal_dense_values_and_gradients(case, path):
     assert not np.any(grads[2][np.array([0, 2, 3, 6])])  # unrouted experts get no gradient
 
 
+def test_tiles_only_where_they_move_less_than_dense():
+  """The roofline count of `tiles_cost_more_than_dense`, in units of one expert's weights:
+  tiles 2·100·n_tiles + 2·n_rows against dense 100·E + 2·T·E."""
+  assert moe_ops.tiles_cost_more_than_dense(8, 4, 16, block=1)           # decode: 6464 > 1856
+  assert not moe_ops.tiles_cost_more_than_dense(4096, 4, 16, block=128)  # training: 65.7K < 132.7K
+  assert not moe_ops.tiles_cost_more_than_dense(1, 8, 384, block=1)      # one token, many experts
+  assert moe_ops.tiles_cost_more_than_dense(64, 8, 384, block=1)
+
+
 def test_route_selects_on_biased_but_weights_unbiased():
   logits = jnp.array([[0.0, 1.0, 2.0, -1.0]])
   bias = jnp.array([5.0, 0.0, 0.0, 0.0])            # pushes expert 0 into the top-2
-  w, experts, s = moe.route(logits, bias, top_k=2, n_group=1, topk_group=1, norm_topk_prob=True,
+  w, experts, s = moe_ops.route(logits, bias, top_k=2, n_group=1, topk_group=1, norm_topk_prob=True,
                             routed_scaling_factor=2.0)
   assert sorted(np.asarray(experts[0]).tolist()) == [0, 2]
   sig = 1 / (1 + np.exp(-np.array([0.0, 2.0])))
@@ -69,7 +80,7 @@ def test_route_selects_on_biased_but_weights_unbiased():
 def test_group_limited_routing_only_uses_kept_groups():
   # 4 groups of 2; group scores (sum of top-2) are highest for groups 1 and 3.
   logits = jnp.array([[0.1, 0.0, 3.0, 2.9, 0.2, 0.1, 2.0, 2.5]])
-  _, experts, _ = moe.route(logits, jnp.zeros(8), top_k=3, n_group=4, topk_group=2,
+  _, experts, _ = moe_ops.route(logits, jnp.zeros(8), top_k=3, n_group=4, topk_group=2,
                             norm_topk_prob=True, routed_scaling_factor=1.0)
   assert set(np.asarray(experts[0]).tolist()) <= {2, 3, 6, 7}
   assert set(np.asarray(experts[0]).tolist()) == {2, 3, 7}

@@ -20,7 +20,8 @@ Expert compute paths (`ModelConfig.moe_impl`), all equal to each other:
 * ``dense``      every expert on every token (the reference; pays E/k × the flops);
 * ``ragged``     dropless: tokens sorted by expert into tiles of `block` rows, one
                  batched matmul over tiles (pays only for routed tokens + tile padding,
-                 on every backend, CPU included);
+                 on every backend, CPU included); a call with few tokens (decoding) runs
+                 ``dense`` instead where that moves less (`experts_ragged_or_dense`);
 * ``ragged_dot`` dropless with `jax.lax.ragged_dot` (native on TPU/GPU; a masked
                  dense product on CPU);
 * ``pallas``     the Pallas routing kernel, expert sort and grouped matmul
@@ -40,7 +41,7 @@ import jax.numpy as jnp
 from k25jax.model import expert_parallel
 from k25jax.model.config import ModelConfig
 from k25jax.model.layers import MLP, dtype_of, normal_init
-from k25jax.ops.moe import experts_dense, experts_ragged, experts_ragged_dot, route
+from k25jax.ops.moe import experts_dense, experts_ragged_dot, experts_ragged_or_dense, route
 
 ROUTER_BIAS = "e_score_correction_bias"
 
@@ -134,7 +135,7 @@ class Experts(nn.Module):
     if cfg.moe_impl == "dense":
       y = experts_dense(tokens, experts, weights, gate, up, down)
     elif cfg.moe_impl == "ragged":
-      y = experts_ragged(tokens, experts, weights, gate, up, down, cfg.moe_block_size)
+      y = experts_ragged_or_dense(tokens, experts, weights, gate, up, down, cfg.moe_block_size)
     elif cfg.moe_impl == "ragged_dot":
       y = experts_ragged_dot(tokens, experts, weights, gate, up, down)
     elif cfg.moe_impl == "pallas":

@@ -12,7 +12,9 @@ Routed experts, y_t = Σ_{e∈K} w_e · FFN_e(x_t) with FFN_e(x) = down_e(silu(x
 computed three ways that agree:
 * `experts_dense`       every expert on every token (the reference);
 * `experts_ragged`      dropless: tokens sorted by expert into tiles of `block` rows
-                        (`tile_layout`, `auto_block_size`), one batched matmul over tiles;
+                        (`tile_layout`, `auto_block_size`), one batched matmul over tiles
+                        (`experts_ragged_or_dense`, the model's "ragged": dense where a
+                        few tokens make the tiles cost more);
 * `experts_ragged_dot`  dropless with `jax.lax.ragged_dot` on expert-sorted rows (`sort_by_expert`).
 `grouped_ffn` applies the FFNs to rows already labelled by expert (expert parallelism).
 
@@ -143,20 +145,26 @@ def tiles_cost_more_than_dense(n_tokens: int, top_k: int, n_experts: int, block:
   return tiles > dense
 
 
+def experts_ragged_or_dense(x, experts, weights, gate, up, down, block: int = 0):
+  """`experts_ragged`, or `experts_dense` where the tiles cost more (`tiles_cost_more_than_dense`:
+  a few tokens, as in decoding); the result is the same."""
+  n_tokens, top_k = experts.shape
+  block = block or auto_block_size(n_tokens * top_k, gate.shape[0])
+  if tiles_cost_more_than_dense(n_tokens, top_k, gate.shape[0], block):
+    return experts_dense(x, experts, weights, gate, up, down)
+  return experts_ragged(x, experts, weights, gate, up, down, block)
+
+
 def experts_ragged(x, experts, weights, gate, up, down, block: int = 0):
   """Dropless expert compute over expert-sorted tiles (pays only for routed tokens).
 
   Each expert's assignments are padded to a multiple of `block` rows; tile n
   (rows n·block … n·block+block−1) belongs to one expert, so the layer is one
   batched matmul [tiles, block, d] × [tiles, d, f]. Rows: A + min(E, A)·(block−1).
-  Where that costs more than `experts_dense` (`tiles_cost_more_than_dense`: a few
-  tokens, as in decoding), the dense product runs instead; the result is the same.
   """
   n_tokens, top_k = experts.shape
   n_experts, d = gate.shape[0], x.shape[-1]
   block = block or auto_block_size(n_tokens * top_k, n_experts)
-  if tiles_cost_more_than_dense(n_tokens, top_k, n_experts, block):
-    return experts_dense(x, experts, weights, gate, up, down)
   source, slot, tile_group = tile_layout(experts.reshape(-1), n_experts, block)
   x_padded = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)], axis=0)
   rows = x_padded[jnp.minimum(source // top_k, n_tokens)].reshape(-1, block, d)
