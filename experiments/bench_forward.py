@@ -25,7 +25,6 @@ the work routing asks for, at 16 and 384 experts.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -269,20 +268,15 @@ def main():
   parser.add_argument("--seq", type=int, default=512)
   parser.add_argument("--steps", type=int, default=7)
   parser.add_argument("--warmup", type=int, default=2)
-  parser.add_argument("--processes", type=int, default=3)
   parser.add_argument("--parts", action="store_true", help="also time each part alone")
-  parser.add_argument("--max_load", type=float, default=interleave.MAX_LOAD, help="cores other processes may use")
-  parser.add_argument("--allow_load", action="store_true", help="write the result even if a process was loaded")
-  parser.add_argument("--one", default=None, help=argparse.SUPPRESS)   # a child process: write its run here
+  interleave.add_process_arguments(parser)
   parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "bench_forward.json"))
   args = parser.parse_args()
-  if args.one:
-    with open(args.one, "w") as f:
-      json.dump(one_process(args), f)
+  runs = interleave.runs_or_child(__file__, args, one_process,
+                                  [f"--batch={args.batch}", f"--seq={args.seq}", f"--steps={args.steps}",
+                                   f"--warmup={args.warmup}"] + (["--parts"] if args.parts else []))
+  if runs is None:
     return
-  runs = interleave.run_processes(__file__, [f"--batch={args.batch}", f"--seq={args.seq}", f"--steps={args.steps}",
-                                           f"--warmup={args.warmup}"] + (["--parts"] if args.parts else []),
-                                  args.processes)
   summary = interleave.summarize(runs, [PEER, f"{PEER} eager"], args.batch * args.seq, args.max_load)
   if args.parts:
     summary["parts"] = part_table(runs, summary, args.max_load)

@@ -196,8 +196,7 @@ def main():
   parser.add_argument("--kernels", default=",".join(CASES))
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--out", default="experiments/results/bench_kernels.json")
-  parser.add_argument("--max_load", type=float, default=interleave.MAX_LOAD, help="cores other processes may use")
-  parser.add_argument("--allow_load", action="store_true", help="write the result even if a case was loaded")
+  interleave.add_load_arguments(parser)
   args = parser.parse_args()
 
   backend = jax.default_backend()

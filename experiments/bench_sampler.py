@@ -13,7 +13,6 @@ heads × (qk_head_dim + v_head_dim).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -81,18 +80,14 @@ def main():
   parser.add_argument("--new", type=int, default=128)
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--warmup", type=int, default=1)
-  parser.add_argument("--processes", type=int, default=3)
-  parser.add_argument("--max_load", type=float, default=interleave.MAX_LOAD, help="cores other processes may use")
-  parser.add_argument("--allow_load", action="store_true", help="write the result even if a process was loaded")
-  parser.add_argument("--one", default=None, help=argparse.SUPPRESS)   # a child process: write its run here
+  interleave.add_process_arguments(parser)
   parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "bench_sampler.json"))
   args = parser.parse_args()
-  if args.one:
-    with open(args.one, "w") as f:
-      json.dump(one_process(args), f)
+  runs = interleave.runs_or_child(__file__, args, one_process,
+                                  [f"--batch={args.batch}", f"--prompt={args.prompt}", f"--new={args.new}",
+                                   f"--steps={args.steps}", f"--warmup={args.warmup}"])
+  if runs is None:
     return
-  runs = interleave.run_processes(__file__, [f"--batch={args.batch}", f"--prompt={args.prompt}", f"--new={args.new}",
-                                           f"--steps={args.steps}", f"--warmup={args.warmup}"], args.processes)
   summary = interleave.summarize(runs, [PEER], args.batch * args.new, args.max_load)
   print(f"greedy decode, batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, CPU ({os.cpu_count()} "
         f"cores), {args.processes} process(es) x {args.steps} interleaved runs; other processes used "

@@ -130,8 +130,7 @@ def main():
   parser.add_argument("--budget", type=int, default=widesearch.DEFAULT_BUDGET)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "bench_swarm"))
-  parser.add_argument("--max_load", type=float, default=interleave.MAX_LOAD, help="cores other processes may use")
-  parser.add_argument("--allow_load", action="store_true", help="write the result even if a run was loaded")
+  interleave.add_load_arguments(parser)
   args = parser.parse_args()
 
   config = load_config()

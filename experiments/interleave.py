@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -67,6 +68,29 @@ def round_robin(closures: dict[str, Callable[[], object]], steps: int, warmup: i
         fn()
         times[name].append(time.perf_counter() - t)
   return times, load.other_cores
+
+
+def add_load_arguments(parser) -> None:
+  """--max_load and --allow_load (`refuse_if_loaded`)."""
+  parser.add_argument("--max_load", type=float, default=MAX_LOAD, help="cores other processes may use")
+  parser.add_argument("--allow_load", action="store_true", help="write the result even if a run was loaded")
+
+
+def add_process_arguments(parser) -> None:
+  """--processes, the load arguments and the hidden --one=FILE of a child of `runs_or_child`."""
+  parser.add_argument("--processes", type=int, default=3)
+  add_load_arguments(parser)
+  parser.add_argument("--one", default=None, help=argparse.SUPPRESS)   # a child process: write its run here
+
+
+def runs_or_child(script: str, args, one_process: Callable, child_args: list[str]) -> list[dict] | None:
+  """In a child (--one=FILE): writes `one_process(args)` there and returns None. Otherwise runs
+  `args.processes` children of `script` with `child_args` and returns their runs."""
+  if args.one:
+    with open(args.one, "w") as f:
+      json.dump(one_process(args), f)
+    return None
+  return run_processes(script, child_args, args.processes)
 
 
 def run_processes(script: str, args: list[str], processes: int) -> list[dict]:
