@@ -86,6 +86,11 @@ def auto_block_size(n_assignments: int, n_experts: int, max_block: int = 128) ->
   return block
 
 
+def padded_rows(n: int, n_groups: int, block: int) -> int:
+  """Slots of `tile_layout`: n + min(n_groups, n)·(block−1), rounded up to whole tiles."""
+  return -(-(n + min(n_groups, n) * (block - 1)) // block) * block
+
+
 def tile_layout(groups: jax.Array, n_groups: int, block: int):
   """Rows sorted by group into tiles of `block` rows, each tile holding one group's rows.
 
@@ -102,7 +107,7 @@ def tile_layout(groups: jax.Array, n_groups: int, block: int):
   padded_end = jnp.cumsum(padded_sizes)
   padded_start = padded_end - padded_sizes
   group_start = jnp.cumsum(sizes) - sizes
-  n_rows = -(-(n + min(n_groups, n) * (block - 1)) // block) * block
+  n_rows = padded_rows(n, n_groups, block)
   kept = sorted_group < n_groups
   g = jnp.minimum(sorted_group, n_groups - 1)
   dest = jnp.where(kept, padded_start[g] + jnp.arange(n) - group_start[g], n_rows).astype(jnp.int32)
@@ -139,7 +144,7 @@ def tiles_cost_more_than_dense(n_tokens: int, top_k: int, n_experts: int, block:
   Few tokens (decode: block 1, one gathered weight copy per assignment) favour dense;
   training batches favour tiles (reference config: 65.7K against 132.7K)."""
   n_assignments = n_tokens * top_k
-  n_rows = -(-(n_assignments + min(n_experts, n_assignments) * (block - 1)) // block) * block
+  n_rows = padded_rows(n_assignments, n_experts, block)
   tiles = 2 * FLOPS_PER_MOVED_NUMBER * (n_rows // block) + 2 * n_rows
   dense = FLOPS_PER_MOVED_NUMBER * n_experts + 2 * n_tokens * n_experts
   return tiles > dense
