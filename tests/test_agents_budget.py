@@ -39,7 +39,7 @@ def test_stacked_traces_batch_into_losses_critical_steps():
 @pytest.mark.parametrize("n", [2, 5, 8])
 def test_episode_steps_follow_the_formula_when_the_budget_is_loose(n):
   for k in range(n + 1):
-    result = ws.run_episode(ws.make_task(n, kind="wide", n=n), ws.ScriptedOrchestrator(k), budget=20)
+    result = ws.run_episode(ws.make_task(n, kind="wide", n=n), ws.ScriptedOrchestrator(k), budget=16)
     expected = n + 1 if k == 0 else 1 + math.ceil(n / k) + 1
     main, sub = result.trace.arrays()
     assert result.critical_steps == expected == float(losses.critical_steps(main, sub))
@@ -61,7 +61,7 @@ def test_truncation_stops_subagents_and_forces_a_partial_answer():
 
 def test_subagent_step_cap_leaves_the_rest_to_the_orchestrator():
   task = ws.make_task(5, kind="wide", n=4)
-  result = ws.run_episode(task, ws.ScriptedOrchestrator(2), budget=20, max_subagent_steps=1)
+  result = ws.run_episode(task, ws.ScriptedOrchestrator(2), budget=16, max_subagent_steps=1)
   assert result.trace.stages == [{0: 1, 1: 1}, {}, {}, {}]      # two own searches, then the answer
   assert result.score.success and result.num_finished == 0 and result.critical_steps == 5
 
@@ -74,6 +74,17 @@ def drive(task, turns, budget=4):
     for request in episode.requests():
       episode.submit(request.agent, dsl.encode(queues[request.agent].pop(0)))
   return episode.result()
+
+
+def test_agents_created_and_never_assigned_are_idle():
+  task = ws.make_task(6, kind="wide", n=2)
+  a = dsl.ATTRIBUTE.name(task.attribute)
+  e0, e1 = (dsl.ENTITY.name(e) for e in task.entities)
+  result = drive(task, {"main": [f"create searcher S1 S2 S3 assign {a} S1 {e0} {e1} |", "answer |"],
+                        "S1": [f"search {a} {e0} |", f"search {a} {e1} |",
+                               f"answer {e0} V{task.gold[0][1]} {e1} V{task.gold[1][1]} |"]}, budget=5)
+  assert (result.num_created, result.num_assigned, result.num_finished, result.num_idle) == (3, 1, 1, 2)
+  assert float(losses.r_finish(result.num_finished, result.num_assigned, result.num_idle)) == pytest.approx(1 / 3)
 
 
 def test_late_assignment_fails_with_a_budget_error():

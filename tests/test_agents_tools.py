@@ -119,16 +119,23 @@ def test_formatters():
       "obs E5 V3 E17 V9 err search err stop |"
   assert dsl.decode(tools.format_observation()) == "obs |"
   assert dsl.decode(tools.format_prompt("sub", "follower", 1, [4])) == "sub follower A1 E4 |"
-  with pytest.raises(ValueError):
-    tools.format_prompt("sub", "searcher", 1, [])
+  assert dsl.decode(tools.format_task(6, 2, [4, 9])) == "orch B6 A2 E4 E9 |"
+  assert dsl.decode(tools.format_task(3, 0, [7], chain=True)) == "orch B3 chain A0 E7 |"
+  for bad in (lambda: tools.format_prompt("sub", "searcher", 1, []), lambda: tools.format_prompt("orch", "searcher", 1, [2]),
+              lambda: tools.format_task(17, 1, [2]), lambda: tools.format_task(4, 1, [2, 3], chain=True)):
+    with pytest.raises(ValueError):
+      bad()
 
 
 def test_read_context():
-  context = dsl.encode("orch searcher A2 E1 E5 E7 | V3 obs E9 | obs E5 V3 err search E9 V2 | "
+  context = dsl.encode("orch B9 A2 E1 E5 E7 | V3 obs E9 | obs E5 V3 err search E9 V2 | "
                        "search A2 E1 | obs E1 V0 E5 V8 stop |")
   view = tools.read_context(context)
-  assert (view.role, view.system_prompt, view.attribute, view.entities) == ("orch", "searcher", 2, (1, 5, 7))
+  assert (view.role, view.budget, view.chain, view.attribute, view.entities) == ("orch", 9, False, 2, (1, 5, 7))
+  sub = tools.read_context(dsl.encode("sub follower A1 E3 |"))
+  assert (sub.role, sub.system_prompt, sub.budget, sub.chain, sub.entities) == ("sub", "follower", None, True, (3,))
   assert view.found == ((5, 3), (9, 2), (1, 0))      # first sighting of each entity, the turn's `obs E9` ignored
   assert view.num_turns == 2 and view.stopped and view.value_of(7) is None
-  with pytest.raises(ValueError):
-    tools.read_context(dsl.encode("search A2 E1 |"))
+  for bad in ("search A2 E1 |", "orch searcher A2 E1 |", "orch B4 chain A2 E1 E2 |", "sub B4 A2 E1 |"):
+    with pytest.raises(ValueError):
+      tools.read_context(dsl.encode(bad))

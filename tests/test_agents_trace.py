@@ -17,7 +17,7 @@ def _agent_lines(text: str) -> dict[str, list[str]]:
 
 def test_every_block_of_every_agent_appears_once_in_order():
   result = ws.run_episode(ws.make_task(7, kind="wide", n=5), ws.ScriptedOrchestrator(2), budget=4)
-  rendered = _agent_lines(trace.render(result, budget=4))
+  rendered = _agent_lines(trace.render(result))
   main = rendered["main"]
   # the orchestrator's prompt is the task header, not a line: the rest of its context, in order
   assert " ".join(text for _, text in main) == dsl.decode(

@@ -17,13 +17,33 @@ def test_tasks_are_deterministic_given_seed():
   assert {t.kind for t in a} == {"wide", "deep"}
 
 
-def test_wide_tasks_ask_distinct_entities_in_range():
-  sizes = set()
-  for task in ws.sample_tasks(200, seed=0):
+def test_wide_tasks_ask_distinct_entities_in_range_with_budgets_drawn_per_task():
+  sizes, budgets = set(), set()
+  for task in ws.sample_tasks(300, seed=0):
     assert task.kind == "wide" and len(set(task.entities)) == len(task.entities)
     assert task.gold == tuple((e, int(task.table[e, task.attribute])) for e in task.entities)
     sizes.add(len(task.entities))
-  assert sizes == set(range(2, 9))
+    budgets.add(task.budget)
+  assert sizes == set(range(ws.N_RANGE[0], ws.N_RANGE[1] + 1)) and ws.N_RANGE == (2, 24)
+  assert budgets == set(range(ws.BUDGET_RANGE[0], ws.BUDGET_RANGE[1] + 1))
+  same = ws.sample_tasks(300, seed=0, budget_range=(5, 5))        # the budget has its own random stream
+  assert [t.entities for t in same] == [t.entities for t in ws.sample_tasks(300, seed=0)]
+  assert {t.budget for t in same} == {5}
+
+
+def test_prompts_show_the_budget_and_the_task_but_no_kind_or_role_hint():
+  wide, deep = ws.make_task(3, kind="wide", n=3, budget=7), ws.make_task(3, kind="deep", hops=3, budget=5)
+  a, entities = dsl.ATTRIBUTE.name(wide.attribute), " ".join(dsl.ENTITY.name(e) for e in wide.entities)
+  assert dsl.decode(wide.prompt()) == f"orch B7 {a} {entities} |"
+  assert dsl.decode(deep.prompt()) == f"orch B5 chain {dsl.ATTRIBUTE.name(deep.attribute)} {dsl.ENTITY.name(deep.entities[0])} |"
+  for task in ws.sample_tasks(50, seed=1, deep_fraction=0.5):
+    assert not set(task.prompt()) & dsl.SYSTEM_IDS                # no searcher / follower in the task
+  episode = ws.Episode(wide, budget=12)                             # an episode's budget is the one shown
+  assert dsl.decode(episode.orchestrator.tokens[:2]) == "orch B12" and episode.task.budget == 12
+  view = tools.read_context(deep.prompt())
+  assert (view.role, view.budget, view.chain, view.system_prompt) == ("orch", 5, True, None)
+  with pytest.raises(ValueError, match="budget"):
+    ws.make_task(0, budget=17)
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -69,18 +89,19 @@ def test_scripted_policies_get_partial_f1_when_truncated(n):
     assert result.score.success == (answered == n) and result.critical_steps <= 4
 
 
-def test_contexts_fit_the_tiny_length_at_the_widest_task():
+def test_contexts_fit_the_tiny_length_at_the_widest_task_and_largest_budget():
   longest = 0
-  for seed in range(5):
-    task = ws.make_task(seed, kind="wide", n=8)
+  for seed in range(3):
+    task = ws.make_task(seed, kind="wide", n=24, budget=dsl.MAX_BUDGET)
     for k in range(9):
-      result = ws.run_episode(task, ws.ScriptedOrchestrator(k), budget=ws.DEFAULT_BUDGET)
+      result = ws.run_episode(task, ws.ScriptedOrchestrator(k))
       longest = max([longest, len(result.orchestrator.tokens)] + [len(t.tokens) for t in result.subagents])
-  for hops in (2, 3, 4):
+  for hops in (2, 3, 5):
     for k in (0, 1):
-      result = ws.run_episode(ws.make_task(hops, kind="deep", hops=hops), ws.ScriptedOrchestrator(k))
+      result = ws.run_episode(ws.make_task(hops, kind="deep", hops=hops, budget=dsl.MAX_BUDGET),
+                              ws.ScriptedOrchestrator(k))
       longest = max([longest, len(result.orchestrator.tokens)] + [len(t.tokens) for t in result.subagents])
-  assert 70 <= longest <= ws.MAX_CONTEXT == 80
+  assert 170 <= longest <= ws.MAX_CONTEXT == 256
 
 
 def test_demonstrations_are_deterministic_and_varied():
@@ -91,9 +112,17 @@ def test_demonstrations_are_deterministic_and_varied():
   assert np.array_equal(prefix["tokens"], a["tokens"][:len(prefix["tokens"])])
   assert a["tokens"].shape[1] == ws.MAX_CONTEXT and set(a["role"].tolist()) == {0, 1}
   assert np.bincount(a["role"])[0] == 40 and a["episode"].max() == 39
-  assert len(set(a["num_subagents"].tolist())) >= 4
   assert 0.0 < a["item_f1"].min() < 1.0 == a["item_f1"].max()        # truncated and solved episodes
-  assert a["critical_steps"].max() <= ws.DEFAULT_BUDGET
+  assert a["critical_steps"].max() <= ws.DEMO_BUDGETS[1]
+
+
+def test_demonstrated_orchestrator_starts_in_serial_collapse_with_competent_subagents():
+  demos = ws.demonstrations(400, seed=0)
+  wide = demos["kind"] == 0
+  assert demos["num_subagents"][wide].mean() <= 0.5                 # create/assign: syntax, rarely
+  assert 0 < (demos["num_subagents"] > 0).mean() <= 0.2 and demos["num_subagents"].max() <= 2
+  subs = demos["role"] == 1                                          # sub-agent rows cover big assignments
+  assert (demos["length"][subs] > 40).any() and np.bincount(demos["role"])[1] > 2 * np.bincount(demos["role"])[0]
 
 
 def _segments(mask_row):
@@ -104,7 +133,7 @@ def _segments(mask_row):
 
 
 def test_demonstration_loss_masks_cover_exactly_the_policy_turns():
-  demos = ws.demonstrations(24, seed=3)
+  demos = ws.demonstrations(24, seed=3, syntax_share=0.5)
   for row in range(len(demos["role"])):
     tokens, mask, length = demos["tokens"][row], demos["loss_mask"][row], demos["length"][row]
     assert tokens[0] == (dsl.SUB_ID if demos["role"][row] else dsl.ORCH_ID)
@@ -114,11 +143,11 @@ def test_demonstration_loss_masks_cover_exactly_the_policy_turns():
     for start, end in segments:
       turn = tokens[start:end].tolist()
       assert turn[0] in dsl.TOOL_IDS and turn[-1] == dsl.EOT_ID and turn.count(dsl.EOT_ID) == 1
-      if demos["role"][row] == 1:
-        policy = ws.solo_policy
-      else:
-        policy = ws.ScriptedOrchestrator(int(demos["num_subagents"][demos["episode"][row]]))
-      assert turn == policy(tokens[:start].tolist())         # the scripted agent wrote exactly this turn
+      delegates = demos["role"][row] == 0 and turn[0] == dsl.CREATE_ID
+      if not delegates:                                       # every other turn is the solo agent's
+        assert turn == ws.solo_policy(tokens[:start].tolist())
+      else:                                                   # a syntax delegation opens the episode
+        assert start == tokens.tolist().index(dsl.EOT_ID) + 1
       assert tools.parse_turn(turn, role="orch").errors == ()
     unmasked = tokens[:length][mask[:length] == 0].tolist()
     assert not any(t in dsl.TOOL_IDS for t in unmasked)     # prompt and observations only (no errors here)

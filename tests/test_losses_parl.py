@@ -30,6 +30,13 @@ def test_r_finish_fraction_and_zero_assigned():
   np.testing.assert_allclose(parl.r_finish(finished, assigned), [0.75, 0.0, 0.0, 1.0, 1.0])
 
 
+def test_r_finish_counts_idle_agents_as_unfinished():
+  # 3 of 4 assignments finished, 2 agents created and never assigned: 3 / (4 + 2);
+  # only idle agents: 0 / 2; nothing set up: 0; all finished, none idle: 1.
+  finished, assigned, idle = np.array([3, 0, 0, 2]), np.array([4, 0, 0, 2]), np.array([2, 2, 0, 0])
+  np.testing.assert_allclose(parl.r_finish(finished, assigned, idle), [0.5, 0.0, 0.0, 1.0])
+
+
 @pytest.mark.parametrize("kind, quarter", [("linear", 0.75), ("cosine", (1 + math.cos(math.pi / 4)) / 2)])
 def test_anneal_endpoints_and_midpoint(kind, quarter):
   steps = np.array([0, 25, 50, 100, 150])

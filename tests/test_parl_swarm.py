@@ -41,7 +41,7 @@ def test_sixteen_subagents_cost_about_one_device_call_per_stage(setup):
   tasks = widesearch.sample_tasks(16, seed=0, n_range=(8, 8))
   # The orchestrators are scripted (k = 8 sub-agents each), the sub-agents are the model.
   runtime = swarm.Swarm({"orch": widesearch.ScriptedOrchestrator(8), "sub": policies["sub"]})
-  results = runtime.run([widesearch.Episode(t) for t in tasks])
+  results = runtime.run([widesearch.Episode(t, budget=4) for t in tasks])
   spawned = sum(r.num_created for r in results)
   assert spawned == 16 * 8
   assert runtime.decoded_rows["sub"] >= spawned

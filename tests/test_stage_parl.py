@@ -26,7 +26,7 @@ def test_main_command_runs_parl_and_prints_the_summary(tmp_path):
   curves = json.loads((tmp_path / "parl_curves.json").read_text())
   train = [row for row in curves if row["split"] == "train"]
   assert [row["iteration"] for row in train] == [1, 2]
-  assert all(0.0 <= row["item_f1"] <= 1.0 and row["critical_steps"] <= 4 for row in train)
+  assert all(0.0 <= row["item_f1"] <= 1.0 and row["critical_steps"] <= 10 for row in train)   # budgets 3-10
   final = curves[-1]["rows"]
   assert final["single agent (warm start), greedy"]["num_created"] == 0.0
   assert (tmp_path / "checkpoints").is_dir() and (tmp_path / "tensorboard").is_dir()

@@ -1,18 +1,25 @@
-"""The PARL token DSL: a 73-token vocabulary for the tiny wide-search swarm, and its tokenizer.
+"""The PARL token DSL: an 89-token vocabulary for the tiny wide-search swarm, and its tokenizer.
 
 Every agent (the orchestrator or a sub-agent) sees ONE context: a sequence of blocks,
 each closed by the end-of-turn token `|`. The environment writes the prompt and the
 observations, the model writes the turns (the only tokens under the loss):
 
     context      := prompt (turn observation)* turn
-    prompt       := ROLE SYSTEM ATTRIBUTE ENTITY+ |
+    prompt       := orch BUDGET [chain] ATTRIBUTE ENTITY+ |   (the orchestrator: its task)
+                  | sub SYSTEM ATTRIBUTE ENTITY+ |            (a sub-agent: its assignment)
     turn         := call* |                                  (grammar in `tools.py`)
     observation  := obs (ENTITY VALUE | err [TOOL])* [stop] |
 
-    ROLE       orch | sub            who reads the context (the role token opens it)
-    SYSTEM     searcher | follower   the system prompt; in an orchestrator prompt, the task kind
+    orch | sub           the role: which agent reads the context (the role token opens it)
+    BUDGET  B2..B16      the episode's critical-step budget, shown to the orchestrator
+    chain                the task verb "follow ATTRIBUTE from ENTITY" (a deep task); without
+                         it the task is "give ATTRIBUTE of each ENTITY" (a wide task)
+    SYSTEM  searcher | follower   a sub-agent's system prompt, chosen by the orchestrator's `create`
     ATTRIBUTE  A0..A3                ENTITY  E0..E31       VALUE  V0..V15
     TOOL       create | assign | search | answer           AGENT  S1..S8 (sub-agent names)
+
+The orchestrator's prompt names neither its task's kind nor a sub-agent role: it says
+what to find and how many critical steps it may take; whether to split is its call.
 
 `obs` opens an observation, `err` reports a failed call (followed by the tool it was,
 when known), `stop` says the critical-step budget is spent: the next turn must answer.
@@ -22,12 +29,13 @@ call (see `tools.py`).
 
 Readable text is the tokens joined by single spaces, e.g.
 
-    orch searcher A2 E1 E5 E7 | create searcher S1 S2 assign A2 S1 E1 E5 S2 E7 |
+    orch B4 A2 E1 E5 E7 | create searcher S1 S2 assign A2 S1 E1 E5 S2 E7 |
     obs E1 V3 E5 V9 E7 V0 | answer E1 V3 E5 V9 E7 V0 |
 
-Token families with an index (entities, attributes, values, agents) are `Family`
+Token families with an index (entities, attributes, values, agents, budgets) are `Family`
 objects: `ENTITY.id(5)` is the id of `E5`, `ENTITY.index(id)` goes back, and
-`ENTITY.contains(id)` tests membership. Agents are indexed by slot 0..7 (`S1` is slot 0).
+`ENTITY.contains(id)` tests membership. Agents are indexed by slot 0..7 (`S1` is slot 0),
+budgets by their value minus 2 (`BUDGET.id(0)` is `B2`; use `budget_id(b)`).
 """
 from __future__ import annotations
 
@@ -38,11 +46,13 @@ ROLES = ("orch", "sub")
 SYSTEM_PROMPTS = ("searcher", "follower")
 TOOLS = ("create", "assign", "search", "answer")
 OBS, ERR, STOP = "obs", "err", "stop"
+CHAIN = "chain"
 
 NUM_AGENTS = 8
 NUM_ENTITIES = 32
 NUM_ATTRIBUTES = 4
 NUM_VALUES = 16
+MIN_BUDGET, MAX_BUDGET = 2, 16   # the budgets a prompt can show (an episode needs a step and the answer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,13 +89,14 @@ class Family:
     return VOCAB[self.id(index)]
 
 
-_FIXED = (PAD, EOT, *ROLES, *SYSTEM_PROMPTS, *TOOLS, OBS, ERR, STOP)
+_FIXED = (PAD, EOT, *ROLES, *SYSTEM_PROMPTS, *TOOLS, OBS, ERR, STOP, CHAIN)
 AGENT = Family("S", len(_FIXED), NUM_AGENTS, offset=1)
 ENTITY = Family("E", AGENT.start + AGENT.size, NUM_ENTITIES)
 ATTRIBUTE = Family("A", ENTITY.start + ENTITY.size, NUM_ATTRIBUTES)
 VALUE = Family("V", ATTRIBUTE.start + ATTRIBUTE.size, NUM_VALUES)
+BUDGET = Family("B", VALUE.start + VALUE.size, MAX_BUDGET - MIN_BUDGET + 1, offset=MIN_BUDGET)
 
-VOCAB: tuple[str, ...] = (*_FIXED, *AGENT.names, *ENTITY.names, *ATTRIBUTE.names, *VALUE.names)
+VOCAB: tuple[str, ...] = (*_FIXED, *AGENT.names, *ENTITY.names, *ATTRIBUTE.names, *VALUE.names, *BUDGET.names)
 VOCAB_SIZE = len(VOCAB)
 TOKEN_ID: dict[str, int] = {token: i for i, token in enumerate(VOCAB)}
 
@@ -93,10 +104,17 @@ PAD_ID, EOT_ID = TOKEN_ID[PAD], TOKEN_ID[EOT]
 ORCH_ID, SUB_ID = (TOKEN_ID[r] for r in ROLES)
 SEARCHER_ID, FOLLOWER_ID = (TOKEN_ID[s] for s in SYSTEM_PROMPTS)
 CREATE_ID, ASSIGN_ID, SEARCH_ID, ANSWER_ID = (TOKEN_ID[t] for t in TOOLS)
-OBS_ID, ERR_ID, STOP_ID = TOKEN_ID[OBS], TOKEN_ID[ERR], TOKEN_ID[STOP]
+OBS_ID, ERR_ID, STOP_ID, CHAIN_ID = TOKEN_ID[OBS], TOKEN_ID[ERR], TOKEN_ID[STOP], TOKEN_ID[CHAIN]
 ROLE_IDS = frozenset(TOKEN_ID[r] for r in ROLES)
 SYSTEM_IDS = frozenset(TOKEN_ID[s] for s in SYSTEM_PROMPTS)
 TOOL_IDS = frozenset(TOKEN_ID[t] for t in TOOLS)
+
+
+def budget_id(budget: int) -> int:
+  """The token of a critical-step budget (budget_id(4) is the id of `B4`)."""
+  if not MIN_BUDGET <= int(budget) <= MAX_BUDGET:
+    raise ValueError(f"budget {budget} is outside [{MIN_BUDGET}, {MAX_BUDGET}] (the budgets a prompt can show)")
+  return BUDGET.id(int(budget) - MIN_BUDGET)
 
 
 def token_id(token: str) -> int:

@@ -28,7 +28,8 @@ Parsing never raises on model output. Each malformed call becomes a `ToolError` 
 the well-formed calls of the same turn still run. A turn without `|` (generation ran out
 of tokens) is one `truncated` error and none of its calls run.
 
-Formatters write the environment's blocks: `format_prompt` (an agent's first block) and
+Formatters write the environment's blocks: `format_task` (the orchestrator's first block),
+`format_prompt` (a sub-agent's) and
 `format_observation` (what an agent sees after its turn: found cells `E V`, `err TOOL`
 per failed call, `stop` when the budget is spent). `render_turn` writes calls back as a
 turn (used by scripted policies), and `read_context` recovers an agent's task and the
@@ -297,15 +298,30 @@ def parse_turn(tokens, *, role: str, known_agents: Iterable[int] = ()) -> Parsed
 # --- formatting -------------------------------------------------------------------------
 
 def format_prompt(role: str, system_prompt: str, attribute: int, entities: Iterable[int]) -> list[int]:
-  """`ROLE SYSTEM A ENTITY+ |`: an agent's first block (orchestrator: its task; sub-agent: its assignment)."""
-  if role not in ROLE_TOOLS:
-    raise ValueError(f"role {role!r}; choose one of {tuple(ROLE_TOOLS)}")
+  """`sub SYSTEM A ENTITY+ |`: a sub-agent's first block, its assignment (`role` must be "sub";
+  the orchestrator's prompt is `format_task`)."""
+  if role != "sub":
+    raise ValueError(f"role {role!r}: format_prompt writes a sub-agent's assignment; use format_task for 'orch'")
   if system_prompt not in dsl.SYSTEM_PROMPTS:
     raise ValueError(f"system prompt {system_prompt!r}; choose one of {dsl.SYSTEM_PROMPTS}")
-  entities = [dsl.ENTITY.id(e) for e in entities]
-  if not entities:
+  return [dsl.SUB_ID, dsl.token_id(system_prompt), dsl.ATTRIBUTE.id(attribute), *_entity_ids(entities), dsl.EOT_ID]
+
+
+def format_task(budget: int, attribute: int, entities: Iterable[int], chain: bool = False) -> list[int]:
+  """`orch BUDGET [chain] A ENTITY+ |`: the orchestrator's task. Without `chain`: give
+  attribute A of every entity (a wide task); with it: follow A from the one entity (deep)."""
+  entities = _entity_ids(entities)
+  if chain and len(entities) != 1:
+    raise ValueError(f"a chain task starts from one entity, got {len(entities)}")
+  return [dsl.ORCH_ID, dsl.budget_id(budget), *([dsl.CHAIN_ID] if chain else []), dsl.ATTRIBUTE.id(attribute),
+          *entities, dsl.EOT_ID]
+
+
+def _entity_ids(entities: Iterable[int]) -> list[int]:
+  ids = [dsl.ENTITY.id(e) for e in entities]
+  if not ids:
     raise ValueError("a prompt needs at least one entity")
-  return [dsl.token_id(role), dsl.token_id(system_prompt), dsl.ATTRIBUTE.id(attribute), *entities, dsl.EOT_ID]
+  return ids
 
 
 def format_observation(rows: Iterable[tuple[int, int]] = (), errors: Iterable[ToolError] = (),
@@ -354,10 +370,15 @@ def render_turn(calls: Iterable[ToolCall]) -> list[int]:
 @dataclasses.dataclass(frozen=True)
 class ContextView:
   """What an agent knows from its context: its task, the cells observed so far (first
-  sighting of each entity, in order), how many turns it took, and whether `stop` was seen."""
+  sighting of each entity, in order), how many turns it took, and whether `stop` was seen.
+  `chain`: the context asks to follow a chain (a `chain` task, or a follower's assignment);
+  `budget`: the orchestrator's critical-step budget (None for a sub-agent); `system_prompt`:
+  a sub-agent's (None for the orchestrator)."""
 
   role: str
-  system_prompt: str
+  system_prompt: str | None
+  budget: int | None
+  chain: bool
   attribute: int
   entities: tuple[int, ...]
   found: tuple[tuple[int, int], ...]
@@ -380,19 +401,33 @@ def _blocks(tokens: list[int]) -> list[list[int]]:
   return blocks
 
 
+def _read_prompt(prompt: list[int]) -> dict:
+  """The fields of a prompt block (`format_task` or `format_prompt`); ValueError if it is neither."""
+  body, ok = prompt[:-1], False
+  fields = {}
+  if len(body) >= 4 and body[0] == dsl.ORCH_ID and dsl.BUDGET.contains(body[1]):
+    chain = body[2] == dsl.CHAIN_ID
+    rest = body[3:] if chain else body[2:]
+    fields = dict(role="orch", system_prompt=None, budget=dsl.BUDGET.index(body[1]) + dsl.MIN_BUDGET, chain=chain)
+    ok = len(rest) >= 2 and (not chain or len(rest) == 2)
+  elif len(body) >= 4 and body[0] == dsl.SUB_ID and body[1] in dsl.SYSTEM_IDS:
+    system = dsl.token_name(body[1])
+    fields = dict(role="sub", system_prompt=system, budget=None, chain=system == "follower")
+    rest, ok = body[2:], True
+  if not (ok and dsl.ATTRIBUTE.contains(rest[0]) and all(dsl.ENTITY.contains(t) for t in rest[1:])):
+    raise ValueError(f"not a prompt block: {dsl.decode(prompt)!r}")
+  return {**fields, "attribute": dsl.ATTRIBUTE.index(rest[0]), "entities": tuple(dsl.ENTITY.index(t) for t in rest[1:])}
+
+
 def read_context(tokens) -> ContextView:
   """Reads an environment-built context (prompt, then turns and observations alternating,
   ending after an observation or the prompt). Raises ValueError on a malformed prompt."""
   blocks = _blocks([int(t) for t in tokens])
   if not blocks:
     raise ValueError("empty context")
-  prompt = blocks[0]
-  if (len(prompt) < 5 or prompt[0] not in dsl.ROLE_IDS or prompt[1] not in dsl.SYSTEM_IDS
-      or not dsl.ATTRIBUTE.contains(prompt[2]) or not all(dsl.ENTITY.contains(t) for t in prompt[3:-1])):
-    raise ValueError(f"not a prompt block: {dsl.decode(prompt)!r}")
+  prompt = _read_prompt(blocks[0])
   found, seen, stopped = [], set(), False
-  observations = blocks[2::2]
-  for block in observations:
+  for block in blocks[2::2]:
     if block[0] != dsl.OBS_ID:
       raise ValueError(f"expected an observation block, got {dsl.decode(block)!r}")
     body = block[1:-1]
@@ -403,7 +438,4 @@ def read_context(tokens) -> ContextView:
           seen.add(entity)
           found.append((entity, dsl.VALUE.index(second)))
     stopped = dsl.STOP_ID in body
-  return ContextView(role=dsl.token_name(prompt[0]), system_prompt=dsl.token_name(prompt[1]),
-                     attribute=dsl.ATTRIBUTE.index(prompt[2]),
-                     entities=tuple(dsl.ENTITY.index(t) for t in prompt[3:-1]),
-                     found=tuple(found), num_turns=len(blocks[1::2]), stopped=stopped)
+  return ContextView(**prompt, found=tuple(found), num_turns=len(blocks[1::2]), stopped=stopped)

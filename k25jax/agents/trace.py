@@ -69,14 +69,13 @@ def _stage_cost(sub_steps: dict[int, int]) -> str:
   return f"1 + {inner} = {1 + steps[0]} critical steps"
 
 
-def render(result: widesearch.EpisodeResult, *, budget: int | None = None) -> str:
-  """The episode as text, stage by stage (module docstring). `budget`, if given, is shown
-  in the header (the result does not record it)."""
+def render(result: widesearch.EpisodeResult) -> str:
+  """The episode as text, stage by stage (module docstring); the header shows the task's budget."""
   task = result.task
   entities = " ".join(dsl.ENTITY.name(e) for e in task.entities)
   what = (f"attribute {dsl.ATTRIBUTE.name(task.attribute)} of {entities}" if task.kind == "wide"
           else f"follow {dsl.ATTRIBUTE.name(task.attribute)} from {entities}")
-  lines = [f"{task.kind} task: {what}" + (f", budget {budget}" if budget is not None else ""),
+  lines = [f"{task.kind} task: {what}, budget {task.budget}",
            f"gold: {_rows(task.gold)}"]
   main = blocks(result.orchestrator)
   turns = [i for i, b in enumerate(main) if b.generated]

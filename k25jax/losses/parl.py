@@ -5,9 +5,11 @@ The orchestrator's episode reward (Kimi K2.5, Sec. PARL):
     r = λ1 · r_parallel + λ2 · r_finish + r_perf
 
 r_perf is the task reward (e.g. WideSearch Item-F1); r_parallel rewards instantiating
-sub-agents (against serial collapse: an orchestrator that does everything itself);
-r_finish rewards sub-tasks that were assigned AND finished (against spurious
-parallelism: spawning agents that do nothing useful). λ1, λ2 are annealed to 0 over
+sub-agents (against serial collapse: an orchestrator that does everything itself),
+bounded and near-binary (a cap of one or two agents); r_finish rewards sub-tasks that
+were finished, out of every sub-agent the episode set up, so agents created and never
+assigned, or assigned and not finished, count against it (against spurious parallelism:
+spawning agents that do nothing useful). λ1, λ2 are annealed to 0 over
 training (`anneal`), so the final policy optimises r_perf alone.
 
 Latency is counted in critical steps, the length of the longest path through an
@@ -38,9 +40,9 @@ def r_parallel(num_subagents, cap: int):
   """Instantiation reward, capped:  r_parallel = min(n, cap) / cap ∈ [0, 1].
 
   num_subagents: [...] sub-agents created in the episode (n ≥ 0); cap: the width past
-  which more agents earn nothing (e.g. the episode's number of sub-tasks or the
-  swarm's slot count), an int ≥ 1. Linear up to the cap so every extra useful agent
-  pays the same; the cap stops the policy from spawning agents for their own sake.
+  which more agents earn nothing, an int ≥ 1. A small cap (1: binary, "did it spawn at
+  all"; 2: near-binary) breaks serial collapse without paying for width itself: how
+  many agents to use is left to r_perf.
   """
   if not isinstance(cap, jax.core.Tracer) and not cap >= 1:
     raise ValueError(f"r_parallel cap={cap} must be >= 1")
@@ -48,17 +50,21 @@ def r_parallel(num_subagents, cap: int):
   return jnp.minimum(n, cap) / cap
 
 
-def r_finish(num_finished, num_assigned):
-  """Sub-task completion reward:  r_finish = min(finished, assigned) / assigned, and 0 if assigned = 0.
+def r_finish(num_finished, num_assigned, num_idle=0):
+  """Sub-task completion reward over every sub-agent set up:
 
-  num_finished, num_assigned: [...] counts per episode. An episode that assigns
-  nothing earns no finish reward (it did no parallel work to complete; paying 1
-  there would reward the serial collapse that r_parallel fights).
+      r_finish = min(finished, assigned) / (assigned + idle),   0 if assigned + idle = 0
+
+  num_finished: [...] assignments completed; num_assigned: [...] assignments made;
+  num_idle: [...] sub-agents created and never assigned (each counts as an unfinished
+  sub-task). An episode that sets up nothing earns no finish reward (it did no parallel
+  work to complete; paying 1 there would reward the serial collapse that r_parallel fights).
   """
   finished = jnp.asarray(num_finished, jnp.float32)
   assigned = jnp.asarray(num_assigned, jnp.float32)
-  frac = jnp.clip(finished, 0.0, assigned) / jnp.maximum(assigned, 1.0)
-  return jnp.where(assigned > 0, frac, 0.0)
+  tasks = assigned + jnp.clip(jnp.asarray(num_idle, jnp.float32), 0.0, None)
+  frac = jnp.clip(finished, 0.0, assigned) / jnp.maximum(tasks, 1.0)
+  return jnp.where(tasks > 0, frac, 0.0)
 
 
 def anneal(step, start_value, total_steps: int, kind: str = "linear"):

@@ -1,12 +1,14 @@
 """PARL: a trainable orchestrator learns, by RL, to split wide tasks over frozen sub-agents.
 
-Per iteration t, for P tasks x (wide and deep wide-search tasks) and K episodes each:
+Per iteration t, for P tasks x (wide tasks of 2..24 entities and deep chains) and K episodes each:
 
     episode  = the orchestrator π_θ (sampled) + sub-agents π_frozen (greedy), run by the
-               asyncio swarm under a CriticalSteps budget B:  Σ_s (S_main^s + max_i S_sub,i^s) ≤ B
+               asyncio swarm under the task's CriticalSteps budget B (drawn per task, shown
+               in the prompt):  Σ_s (S_main^s + max_i S_sub,i^s) ≤ B
     r        = λ1(t) · r_parallel + λ2(t) · r_finish + r_perf          (losses.parl_reward)
-               r_perf = Item-F1 of the answer table, r_parallel = min(#created, cap)/cap,
-               r_finish = #finished / #assigned, λ1, λ2 annealed to 0 over `anneal_steps`
+               r_perf = Item-F1 of the answer table, r_parallel = min(#created, cap)/cap
+               (cap 2: near-binary), r_finish = #finished / (#assigned + #created never
+               assigned), λ1, λ2 annealed to 0 over `anneal_steps`
     A        = r − mean over the K episodes of x                        (losses.group_advantages)
     θ       ← θ − η ∇ L_K2.5(θ) over the ORCHESTRATOR's generated tokens only; sub-agent
                tokens are observations to it and never enter the loss.
@@ -15,9 +17,12 @@ The iterations, advantages and updates are `k25jax.rl.driver`'s. Sub-agents are 
 copies of a fixed checkpoint (`parl.subagent_checkpoint`); the orchestrator starts from
 `init.checkpoint`. Without them (the tiny default) the stage first trains one model by
 SFT on scripted demonstrations of both roles run through the real budgeted environment
-(the built-in warm start, under workdir/warm_start), and uses it for both. The summary
-compares the trained swarm with the single agent (the warm-start model with
-`create`/`assign` removed from its vocabulary) on held-out tasks.
+(the built-in warm start, under workdir/warm_start), and uses it for both. Its
+orchestrator starts in serial collapse: the demonstrations solve tasks alone, with
+create/assign shown only as syntax in a small share (`widesearch.demonstrations`), so any
+parallelism the trained swarm shows comes from RL. The summary compares, by task width,
+the trained swarm, the warm start as a swarm and the single agent (the warm-start model
+with `create`/`assign` removed from its vocabulary) on held-out tasks.
 """
 from __future__ import annotations
 
@@ -55,7 +60,7 @@ def play(config, model_cfg, orch_params, sub_params, tasks, *, greedy: bool, sol
   """Plays one episode per task (the orchestrator sampled, or greedy); returns (results, runtime, wall s)."""
   runtime = swarm.Swarm(policies(config, model_cfg, orch_params, sub_params, greedy=greedy, solo=solo), seed)
   start = time.perf_counter()
-  results = runtime.run([widesearch.Episode(t, budget=config.parl.budget) for t in tasks])
+  results = runtime.run([widesearch.Episode(t) for t in tasks])
   return results, runtime, time.perf_counter() - start
 
 
@@ -66,7 +71,8 @@ def rewards(config, iteration: int, results) -> tuple[np.ndarray, dict]:
   perf = np.array([r.score.item_f1 for r in results], np.float32)
   parallel = np.asarray(losses.r_parallel(np.array([r.num_created for r in results]), p.parallel_cap), np.float32)
   finish = np.asarray(losses.r_finish(np.array([r.num_finished for r in results]),
-                                      np.array([r.num_assigned for r in results])), np.float32)
+                                      np.array([r.num_assigned for r in results]),
+                                      np.array([r.num_idle for r in results])), np.float32)
   lambda1 = float(losses.anneal(iteration, p.lambda1, p.anneal_steps, p.anneal_kind))
   lambda2 = float(losses.anneal(iteration, p.lambda2, p.anneal_steps, p.anneal_kind))
   total = np.asarray(losses.parl_reward(perf, parallel, finish, lambda1, lambda2), np.float32)
@@ -74,19 +80,40 @@ def rewards(config, iteration: int, results) -> tuple[np.ndarray, dict]:
                  "r_finish": float(finish.mean()), "lambda1": lambda1, "lambda2": lambda2}
 
 
+WIDTH_BUCKETS = ((2, 7), (8, 15), (16, 24))   # wide tasks by entities asked; "wide8+" joins the last two
+SUMMARY_METRICS = ("item_f1", "row_f1", "success", "num_created", "num_assigned", "num_finished", "num_idle",
+                   "critical_steps", "forced", "errors_orch", "errors_sub")
+
+
+def task_groups(task) -> tuple[str, ...]:
+  """The summary groups a task falls in: all, its kind, its width bucket (wide) and wide8+."""
+  if task.kind == "deep":
+    return ("all", "deep")
+  n = len(task.entities)
+  buckets = tuple(f"wide{lo}-{hi}" for lo, hi in WIDTH_BUCKETS if lo <= n <= hi)
+  return ("all", "wide", *buckets, *(("wide8+",) if n >= 8 else ()))
+
+
 def summarize(results, wall: float) -> dict[str, float]:
-  """Mean episode metrics (Item-F1, success, sub-agents, critical steps...) per task kind and overall."""
+  """Mean episode metrics (Item-F1, success, sub-agents, critical steps...) overall ("item_f1")
+  and per group ("wide/item_f1", "deep/...", "wide8-15/...", "wide8+/..."; `task_groups`)."""
   out = {"wall_s": wall}
-  for kind in ("all", *widesearch.KINDS):
-    chosen = [r for r in results if kind == "all" or r.task.kind == kind]
-    if not chosen:
-      continue
-    metrics = [r.metrics() for r in chosen]
-    prefix = "" if kind == "all" else f"{kind}/"
-    for name in ("item_f1", "row_f1", "success", "num_created", "num_assigned", "num_finished", "critical_steps",
-                 "forced", "errors_orch", "errors_sub"):
+  groups: dict[str, list] = {}
+  for r in results:
+    for group in task_groups(r.task):
+      groups.setdefault(group, []).append(r.metrics())
+  for group, metrics in groups.items():
+    prefix = "" if group == "all" else f"{group}/"
+    for name in SUMMARY_METRICS:
       out[prefix + name] = float(np.mean([m[name] for m in metrics]))
   return out
+
+
+def sample_tasks(config, num: int, seed: int):
+  """`num` tasks as the parl section draws them (kinds, widths, chain lengths, budgets)."""
+  p = config.parl
+  return widesearch.sample_tasks(num, seed, deep_fraction=p.deep_fraction, n_range=tuple(p.n_range),
+                                 hops_range=tuple(p.hops_range), budget_range=tuple(p.budget_range))
 
 
 def collector(config, model_cfg, sub_params):
@@ -96,7 +123,7 @@ def collector(config, model_cfg, sub_params):
   rl, p, seed = config.rl, config.parl, config.train.seed
 
   def collect(params, it: int) -> driver.Rollouts:
-    tasks = widesearch.sample_tasks(rl.prompts_per_iteration, seed * 100_003 + it, deep_fraction=p.deep_fraction)
+    tasks = sample_tasks(config, rl.prompts_per_iteration, seed * 100_003 + it)
     episodes = [t for t in tasks for _ in range(rl.num_generations)]
     results, runtime, wall = play(config, model_cfg, params, sub_params, episodes, greedy=False, seed=it)
     reward, parts = rewards(config, it, results)
@@ -111,10 +138,14 @@ def builtin_warm_start(config, model, mesh, workdir: str):
   """The params of the built-in warm start: one model fine-tuned on scripted demonstrations
   of both roles (`warm_start`), trained (or resumed) under workdir/warm_start."""
   ws, p = config.warm_start, config.parl
-  demos = widesearch.demonstrations(ws.demonstrations, ws.seed, budget=p.budget, deep_fraction=p.deep_fraction,
+  demos = widesearch.demonstrations(ws.demonstrations, ws.seed, deep_fraction=p.deep_fraction,
+                                    syntax_share=ws.syntax_share, budget_range=tuple(ws.budget_range),
+                                    n_range=tuple(p.n_range), hops_range=tuple(p.hops_range),
                                     max_length=min(widesearch.MAX_CONTEXT, model.cfg.max_position_embeddings))
-  logging.info("parl warm start: %d demonstration contexts from %d scripted episodes (mean Item-F1 %.2f)",
-               len(demos["tokens"]), ws.demonstrations, demos["item_f1"].mean())
+  wide = demos["kind"] == 0
+  logging.info("parl warm start: %d demonstration contexts from %d scripted episodes (orchestrator: mean Item-F1 "
+               "%.2f, sub-agents per episode %.2f wide, %.2f deep)", len(demos["tokens"]), ws.demonstrations,
+               demos["item_f1"].mean(), demos["num_subagents"][wide].mean(), demos["num_subagents"][~wide].mean())
   params, _ = warm_start_lib.train(ws, model, demos["tokens"], demos["loss_mask"], demos["length"], mesh=mesh,
                                    workdir=os.path.join(workdir, "warm_start"))
   return params
@@ -129,9 +160,20 @@ def frozen_subagents(config, workdir: str):
 
 
 # ------------------------------------------------------------------------------------- run
+def _check_range(name: str, value, low: int, high: int) -> None:
+  if len(value) != 2 or not low <= value[0] <= value[1] <= high:
+    raise ValueError(f"{name}={tuple(value)} must be (lo, hi) with {low} <= lo <= hi <= {high}")
+
+
 def check(config) -> None:
-  if config.parl.budget < 2:
-    raise ValueError(f"parl.budget={config.parl.budget}: an episode needs at least 2 critical steps")
+  p = config.parl
+  _check_range("parl.budget_range", p.budget_range, dsl.MIN_BUDGET, dsl.MAX_BUDGET)
+  _check_range("warm_start.budget_range", config.warm_start.budget_range, dsl.MIN_BUDGET, dsl.MAX_BUDGET)
+  _check_range("parl.n_range", p.n_range, 1, dsl.NUM_ENTITIES)
+  _check_range("parl.hops_range", p.hops_range, 1, dsl.NUM_VALUES - 1)
+  if not 0.0 <= p.deep_fraction <= 1.0 or not 0.0 <= config.warm_start.syntax_share <= 1.0:
+    raise ValueError(f"parl.deep_fraction={p.deep_fraction} and warm_start.syntax_share="
+                     f"{config.warm_start.syntax_share} must be probabilities")
   driver.check(config)
 
 
@@ -156,7 +198,7 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   p = config.parl
   model = transformer.Transformer(config_utils.model_config_from(config.model))
   mesh = sharding.make_mesh(config.mesh.to_dict())
-  eval_tasks = widesearch.sample_tasks(p.eval_tasks, p.eval_seed, deep_fraction=p.deep_fraction)
+  eval_tasks = sample_tasks(config, p.eval_tasks, p.eval_seed)
   with trainer_lib.Trainer.for_config(config, workdir, model, driver.make_optimizer(config), mesh) as trainer:
     warm = trainer.params_from(config.init)
     if warm is None:
@@ -171,23 +213,26 @@ def run(config: ml_collections.ConfigDict, workdir: str):
     state, history = driver.train(
         trainer, state, config, collect=collector(config, model.cfg, sub), evaluate=evaluate, name="parl",
         log_keys=("reward", "item_f1", "num_created", "critical_steps", "lambda1", "loss", "sample_s"),
-        eval_keys=("item_f1", "wide/item_f1", "deep/item_f1", "num_created", "wide/num_created", "deep/num_created",
-                   "critical_steps"))
+        eval_keys=("item_f1", "wide/item_f1", "wide8+/item_f1", "deep/item_f1", "wide/num_created",
+                   "wide8+/num_created", "deep/num_created", "critical_steps"))
     final = evaluate_all(config, model.cfg, state.params, sub, warm, eval_tasks)
   history.append({"iteration": config.train.steps, "split": "final", "rows": final})
   with open(os.path.join(workdir, "parl_curves.json"), "w") as f:
     json.dump(history, f, indent=1)
-  print_summary(final, p.budget, len(eval_tasks))
+  print_summary(final, tuple(p.budget_range), len(eval_tasks))
   return state, history
 
 
-def print_summary(rows: dict[str, dict], budget: int, n_tasks: int) -> None:
-  print(f"\nPARL summary: {n_tasks} held-out tasks, budget {budget} critical steps")
-  header = (f"{'policy':38s} {'Item-F1':>8s} {'wide F1':>8s} {'deep F1':>8s} {'success':>8s} "
-            f"{'sub-agents':>10s} {'(wide)':>7s} {'(deep)':>7s} {'crit. steps':>11s} {'wall s':>7s}")
-  print(header)
+def print_summary(rows: dict[str, dict], budget_range: tuple[int, int], n_tasks: int) -> None:
+  """The final table: per policy, Item-F1 / sub-agents per episode / critical steps by task group."""
+  groups = ["all", *(f"wide{lo}-{hi}" for lo, hi in WIDTH_BUCKETS), "deep"]
+  print(f"\nPARL summary: {n_tasks} held-out tasks, budgets {budget_range[0]}-{budget_range[1]} critical steps "
+        "(drawn per task); each cell: Item-F1 / sub-agents per episode / critical steps")
+  print(f"{'policy':36s}" + "".join(f"{g:>19s}" for g in groups) + f"{'wall s':>8s}")
   for name, r in rows.items():
-    print(f"{name:38s} {r['item_f1']:8.3f} {r.get('wide/item_f1', float('nan')):8.3f} "
-          f"{r.get('deep/item_f1', float('nan')):8.3f} {r['success']:8.3f} {r['num_created']:10.2f} "
-          f"{r.get('wide/num_created', float('nan')):7.2f} {r.get('deep/num_created', float('nan')):7.2f} "
-          f"{r['critical_steps']:11.2f} {r['wall_s']:7.1f}")
+    cells = []
+    for g in groups:
+      prefix = "" if g == "all" else f"{g}/"
+      cells.append(f"{r[prefix + 'item_f1']:.2f} / {r[prefix + 'num_created']:.2f} / {r[prefix + 'critical_steps']:.1f}"
+                   if prefix + "item_f1" in r else "-")
+    print(f"{name:36s}" + "".join(f"{c:>19s}" for c in cells) + f"{r['wall_s']:8.1f}")

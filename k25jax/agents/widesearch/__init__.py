@@ -10,21 +10,23 @@ Item-F1 / Row-F1 under a budget of critical steps. One module per concern:
 * `steps`     stages and CriticalSteps (`StepTrace`, `stack_traces`).
 * `episode`   the budgeted episode, its step and budget rules (`Episode`, `Request`,
               `AgentTranscript`, `EpisodeResult`).
-* `scripted`  scripted reference policies (`solo_policy`, `ScriptedOrchestrator`),
+* `scripted`  scripted reference policies (`solo_policy`, `ScriptedOrchestrator`, `SerialOrchestrator`),
               `run_episode`, and the SFT `demonstrations`.
 """
 from k25jax.agents.widesearch.episode import AgentTranscript, Episode, EpisodeResult, Request
 from k25jax.agents.widesearch.scoring import TableScore, normalize, score_table, table_rows
-from k25jax.agents.widesearch.scripted import (Policy, ScriptedOrchestrator, delegation, demonstrations,
-                                               run_episode, solo_policy)
+from k25jax.agents.widesearch.scripted import (DEMO_BUDGETS, Policy, ScriptedOrchestrator, SerialOrchestrator,
+                                               delegation, demonstrations, run_episode, solo_policy,
+                                               syntax_delegation)
 from k25jax.agents.widesearch.steps import StepTrace, stack_traces
-from k25jax.agents.widesearch.tasks import (DEFAULT_BUDGET, KIND_SYSTEM_PROMPT, KINDS, MAX_CONTEXT,
-                                            TERMINAL_VALUE, Task, follow_chain, make_task, next_entity,
+from k25jax.agents.widesearch.tasks import (BUDGET_RANGE, HOPS_RANGE, KIND_SYSTEM_PROMPT, KINDS, MAX_CONTEXT,
+                                            N_RANGE, TERMINAL_VALUE, Task, follow_chain, make_task, next_entity,
                                             sample_tasks)
 
 __all__ = [
-    "AgentTranscript", "DEFAULT_BUDGET", "Episode", "EpisodeResult", "KIND_SYSTEM_PROMPT", "KINDS",
-    "MAX_CONTEXT", "Policy", "Request", "ScriptedOrchestrator", "StepTrace", "TERMINAL_VALUE", "TableScore",
-    "Task", "delegation", "demonstrations", "follow_chain", "make_task", "next_entity", "normalize",
-    "run_episode", "sample_tasks", "score_table", "solo_policy", "stack_traces", "table_rows",
+    "AgentTranscript", "BUDGET_RANGE", "DEMO_BUDGETS", "Episode", "EpisodeResult", "HOPS_RANGE",
+    "KIND_SYSTEM_PROMPT", "KINDS", "MAX_CONTEXT", "N_RANGE", "Policy", "Request", "ScriptedOrchestrator",
+    "SerialOrchestrator", "StepTrace", "TERMINAL_VALUE", "TableScore", "Task", "delegation", "demonstrations",
+    "follow_chain", "make_task", "next_entity", "normalize", "run_episode", "sample_tasks", "score_table",
+    "solo_policy", "stack_traces", "syntax_delegation", "table_rows",
 ]

@@ -7,17 +7,18 @@ not a step; the orchestrator's answer turn is a stage of its own (1 step). So:
     wide task of n entities split over k sub-agents:  1 + ceil(n / k) + 1
     the orchestrator alone (k = 0):                   n + 1   (deep chain of h rows: h + 1)
 
-The budget (default 4) truncates, it never zeroes: the last step is kept for the
-orchestrator's answer, sub-agents started in a stage may take `budget − used − 2` steps
+The budget (the task's, shown in the orchestrator's prompt) truncates, it never zeroes:
+the last step is kept for the orchestrator's answer, sub-agents started in a stage may take `budget − used − 2` steps
 (an assignment with none left fails with `err assign`, code `budget`), a sub-agent at its
 limit sees `stop` and must answer with what it has, and once only the answer step is
 left the orchestrator's observation ends with `stop`. A forced turn that does not answer
 ends that agent with an empty answer (code `no_answer`). The partial table is scored.
-With budget 4: the orchestrator alone answers 3 lookups, each sub-agent 2.
+With budget B: the orchestrator alone answers B − 1 lookups, each sub-agent started in the
+first stage B − 2.
 
 Driving an episode (the swarm runtime batches `requests()` of many episodes):
 
-    episode = Episode(task, budget=4)
+    episode = Episode(task)                       # or Episode(task, budget=B): the task under budget B
     while not episode.done:
       for request in episode.requests():          # the orchestrator, or this stage's sub-agents
         episode.submit(request.agent, policy(request.context))
@@ -33,7 +34,7 @@ from k25jax.agents import dsl
 from k25jax.agents import tools
 from k25jax.agents.widesearch.scoring import TableScore, score_table, table_rows
 from k25jax.agents.widesearch.steps import StepTrace
-from k25jax.agents.widesearch.tasks import DEFAULT_BUDGET, TERMINAL_VALUE, Task
+from k25jax.agents.widesearch.tasks import TERMINAL_VALUE, Task
 
 
 @dataclasses.dataclass
@@ -102,8 +103,9 @@ class _SubagentRun:
 @dataclasses.dataclass
 class EpisodeResult:
   """A finished episode. `prediction` is the orchestrator's answer rows (empty if it gave
-  none); counts feed r_parallel (num_created / num_assigned) and r_finish (num_finished /
-  num_assigned); `errors` counts ToolError codes per role."""
+  none); counts feed r_parallel (num_created) and r_finish (num_finished over the
+  sub-tasks: num_assigned assignments plus num_idle agents created and never assigned);
+  `errors` counts ToolError codes per role."""
 
   task: Task
   prediction: tuple[tuple[int, int], ...]
@@ -113,6 +115,7 @@ class EpisodeResult:
   num_created: int
   num_assigned: int
   num_finished: int
+  num_idle: int
   errors: dict[str, collections.Counter]
   orchestrator: AgentTranscript
   subagents: list[AgentTranscript]
@@ -127,7 +130,7 @@ class EpisodeResult:
     out.update(row_f1=self.score.row_f1, success=float(self.score.success),
                critical_steps=float(self.critical_steps), forced=float(self.forced),
                num_created=float(self.num_created), num_assigned=float(self.num_assigned),
-               num_finished=float(self.num_finished),
+               num_finished=float(self.num_finished), num_idle=float(self.num_idle),
                errors_orch=float(sum(self.errors["orch"].values())),
                errors_sub=float(sum(self.errors["sub"].values())))
     return out
@@ -143,22 +146,24 @@ class Episode:
   in assignment order, then its own search result, then its errors.
   """
 
-  def __init__(self, task: Task, *, budget: int = DEFAULT_BUDGET, max_subagent_steps: int | None = None):
+  def __init__(self, task: Task, *, budget: int | None = None, max_subagent_steps: int | None = None):
+    budget = task.budget if budget is None else int(budget)
     if budget < 2:
       raise ValueError(f"budget={budget}: an episode needs at least 2 critical steps (a step and the answer)")
     if max_subagent_steps is not None and max_subagent_steps < 1:
       raise ValueError(f"max_subagent_steps={max_subagent_steps} must be >= 1")
-    self.task = task
+    self.task = task if budget == task.budget else task.with_budget(budget)
     self.budget = budget
     self.max_subagent_steps = max_subagent_steps
     self.trace = StepTrace()
     self.orchestrator = AgentTranscript("orch", "main", 0)
-    self.orchestrator.add(task.prompt(), generated=False)
+    self.orchestrator.add(self.task.prompt(), generated=False)
     self.subagents: list[AgentTranscript] = []
     self.created: dict[int, str] = {}
     self.errors = {"orch": collections.Counter(), "sub": collections.Counter()}
     self.num_assigned = 0
     self.num_finished = 0
+    self._ever_assigned: set[int] = set()
     self.forced = False
     self.done = False
     self.prediction: tuple[tuple[int, int], ...] = ()
@@ -243,6 +248,7 @@ class Episode:
     self._runs[call.agent] = _SubagentRun(call, system, transcript, allowance)
     self.subagents.append(transcript)
     self.num_assigned += 1
+    self._ever_assigned.add(call.agent)
 
   def _subagent_turn(self, run: _SubagentRun, tokens, logprobs) -> None:
     parsed = tools.parse_turn(tokens, role="sub")
@@ -277,5 +283,5 @@ class Episode:
     column = self.task.attribute
     score = score_table(table_rows(self.prediction, column), table_rows(self.task.gold, column))
     return EpisodeResult(self.task, self.prediction, score, self.trace, self.forced, len(self.created),
-                         self.num_assigned, self.num_finished, self.errors, self.orchestrator,
-                         list(self.subagents))
+                         self.num_assigned, self.num_finished, len(set(self.created) - self._ever_assigned),
+                         self.errors, self.orchestrator, list(self.subagents))

@@ -1,5 +1,5 @@
-"""Scripted reference policies (`solo_policy`, `ScriptedOrchestrator`), `run_episode` to
-drive an episode with plain callables, and the SFT `demonstrations` they write.
+"""Scripted reference policies (`solo_policy`, `ScriptedOrchestrator`, `SerialOrchestrator`),
+`run_episode` to drive an episode with plain callables, and the SFT `demonstrations` they write.
 """
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import numpy as np
 from k25jax.agents import dsl
 from k25jax.agents import tools
 from k25jax.agents.widesearch.episode import Episode, EpisodeResult
-from k25jax.agents.widesearch.tasks import DEFAULT_BUDGET, MAX_CONTEXT, Task, next_entity, sample_tasks
+from k25jax.agents.widesearch.tasks import MAX_CONTEXT, Task, next_entity, sample_tasks
 
 Policy = Callable[[Sequence[int]], list[int]]
 
 
 def _pending_entity(view: tools.ContextView) -> int | None:
   """The next lookup a solo agent needs, or None when its task is complete."""
-  if view.system_prompt == "searcher":
+  if not view.chain:
     return next((e for e in view.entities if view.value_of(e) is None), None)
   if not view.found:
     return view.entities[0]
@@ -32,7 +32,7 @@ def _solo_call(view: tools.ContextView) -> tools.ToolCall:
   entity = _pending_entity(view)
   if entity is not None and not view.stopped:
     return tools.Search(entity, view.attribute)
-  if view.system_prompt == "searcher":
+  if not view.chain:
     rows = tuple((e, view.value_of(e)) for e in view.entities if view.value_of(e) is not None)
   else:
     rows = view.found
@@ -48,7 +48,7 @@ def solo_policy(context: Sequence[int]) -> list[int]:
 def delegation(view: tools.ContextView, num_subagents: int) -> list[tools.ToolCall]:
   """The calls that split a task over sub-agents S1..Sk: a wide task's entities in k
   contiguous near-equal chunks (k capped at n); a deep chain to one follower."""
-  if view.system_prompt == "follower":
+  if view.chain:
     return [tools.CreateSubagent(0, "follower"), tools.AssignTask(0, view.attribute, view.entities[:1])]
   chunks = np.array_split(np.asarray(view.entities), min(num_subagents, len(view.entities)))
   return ([tools.CreateSubagent(slot, "searcher") for slot in range(len(chunks))]
@@ -71,9 +71,38 @@ class ScriptedOrchestrator:
     return tools.render_turn([_solo_call(view)])
 
 
+def syntax_delegation(view: tools.ContextView, rng: np.random.Generator) -> list[tools.ToolCall]:
+  """Create/assign as syntax, not as a strategy: k ∈ {1, 2} searchers, each assigned 1–3
+  of the task's entities drawn at random (overlapping, ignoring the task's width, the
+  budget and whether it is a chain), so a demonstration shows the calls and that their
+  hand-backs are observations, but never a split that pays."""
+  k = int(rng.integers(1, 3))
+  return ([tools.CreateSubagent(slot, "searcher") for slot in range(k)]
+          + [tools.AssignTask(slot, view.attribute, tuple(int(e) for e in rng.choice(
+              view.entities, size=int(rng.integers(1, min(3, len(view.entities)) + 1)), replace=False)))
+             for slot in range(k)])
+
+
+@dataclasses.dataclass
+class SerialOrchestrator:
+  """The warm start's orchestrator: it solves the task alone (`solo_policy`), except that with
+  probability `syntax_share` its first turn is a `syntax_delegation` (then it carries on
+  alone over what is still missing). `rng` draws both choices."""
+
+  rng: np.random.Generator
+  syntax_share: float = 0.1
+
+  def __call__(self, context: Sequence[int]) -> list[int]:
+    view = tools.read_context(context)
+    if view.num_turns == 0 and self.rng.random() < self.syntax_share:
+      return tools.render_turn(syntax_delegation(view, self.rng))
+    return tools.render_turn([_solo_call(view)])
+
+
 def run_episode(task: Task, orchestrator: Policy, subagent: Policy = solo_policy, *,
-                budget: int = DEFAULT_BUDGET, max_subagent_steps: int | None = None) -> EpisodeResult:
-  """Drives one episode with plain callables (context ids → turn ids) until it ends."""
+                budget: int | None = None, max_subagent_steps: int | None = None) -> EpisodeResult:
+  """Drives one episode with plain callables (context ids → turn ids) until it ends
+  (under the task's budget unless `budget` is given)."""
   episode = Episode(task, budget=budget, max_subagent_steps=max_subagent_steps)
   while not episode.done:
     for request in episode.requests():
@@ -82,32 +111,44 @@ def run_episode(task: Task, orchestrator: Policy, subagent: Policy = solo_policy
   return episode.result()
 
 
-def demonstrations(num_episodes: int, seed: int, *, budget: int = DEFAULT_BUDGET,
-                   deep_fraction: float = 0.25, max_length: int = MAX_CONTEXT,
+DEMO_BUDGETS = (dsl.MIN_BUDGET + 1, dsl.MAX_BUDGET)   # demonstrations span every budget a prompt shows but 2
+
+
+def demonstrations(num_episodes: int, seed: int, *, deep_fraction: float = 0.25, syntax_share: float = 0.1,
+                   budget_range: tuple[int, int] = DEMO_BUDGETS, max_length: int = MAX_CONTEXT,
                    **task_kwargs) -> dict[str, np.ndarray]:
   """SFT demonstrations of both roles, from scripted policies run through the budgeted env.
 
-  Each episode's orchestrator uses k sub-agents, k uniform in 0..n for a wide task of n
-  entities and in {0, 1} for a deep one, so demos include serial, truncated and
-  over-split episodes. Every context is one row (deterministic given seed):
+  The orchestrator starts in serial collapse: its demonstrations solve each task alone
+  (`SerialOrchestrator`: one lookup per step, the answer when done or stopped), except a
+  `syntax_share` of them whose first turn is a `syntax_delegation`. The sub-agents must be
+  competent (they are frozen in PARL): their demonstrations come from a second run of the
+  same task by `ScriptedOrchestrator(k)`, k uniform in 1..min(n, 8) (a deep task: 1
+  follower), whose sub-agent contexts are kept (its orchestrator's are not), so they cover
+  assignments of every size, truncated ones included. Tasks draw budgets from
+  `budget_range` (inclusive). Every context is one row (deterministic given seed):
     tokens     int32 [N, max_length]   context, then PAD
     loss_mask  float32 [N, max_length] 1 on generated tokens (the SFT targets:
                weights = loss_mask[:, 1:] for targets tokens[:, 1:])
     length     int32 [N]   role  int32 [N] (0 orchestrator, 1 sub-agent)   episode  int32 [N]
-  and per episode: num_subagents, item_f1, critical_steps  [num_episodes]. The first m
-  episodes of a run are the m episodes of a shorter run with the same seed.
+  and per episode, of the orchestrator's demonstration: num_subagents, item_f1,
+  critical_steps, width, kind (0 wide, 1 deep) [num_episodes]. The first m episodes of a
+  run are the m episodes of a shorter run with the same seed.
   Raises ValueError if a context is longer than max_length.
   """
-  tasks = sample_tasks(num_episodes, seed, deep_fraction=deep_fraction, **task_kwargs)
+  tasks = sample_tasks(num_episodes, seed, deep_fraction=deep_fraction, budget_range=budget_range, **task_kwargs)
   rows, per_episode = [], collections.defaultdict(list)
   for index, task in enumerate(tasks):
     rng = np.random.default_rng((seed, index, 1))
-    k = int(rng.integers(0, 2 if task.kind == "deep" else len(task.entities) + 1))
-    result = run_episode(task, ScriptedOrchestrator(k), budget=budget)
-    rows += [(t, index) for t in [result.orchestrator, *result.subagents]]
-    per_episode["num_subagents"].append(k)
+    result = run_episode(task, SerialOrchestrator(rng, syntax_share))
+    k = 1 if task.kind == "deep" else int(rng.integers(1, min(len(task.entities), dsl.NUM_AGENTS) + 1))
+    helpers = run_episode(task, ScriptedOrchestrator(k)).subagents
+    rows += [(t, index) for t in [result.orchestrator, *result.subagents, *helpers]]
+    per_episode["num_subagents"].append(result.num_created)
     per_episode["item_f1"].append(result.score.item_f1)
     per_episode["critical_steps"].append(result.critical_steps)
+    per_episode["width"].append(task.width)
+    per_episode["kind"].append(int(task.kind == "deep"))
   longest = max(len(t.tokens) for t, _ in rows)
   if longest > max_length:
     raise ValueError(f"a demonstration context has {longest} tokens, more than max_length={max_length}")
@@ -120,6 +161,5 @@ def demonstrations(num_episodes: int, seed: int, *, budget: int = DEFAULT_BUDGET
           "length": np.array([len(t.tokens) for t, _ in rows], np.int32),
           "role": np.array([int(t.role == "sub") for t, _ in rows], np.int32),
           "episode": np.array([i for _, i in rows], np.int32),
-          "num_subagents": np.array(per_episode["num_subagents"], np.int32),
-          "item_f1": np.array(per_episode["item_f1"], np.float32),
-          "critical_steps": np.array(per_episode["critical_steps"], np.int32)}
+          **{name: np.array(values, np.float32 if name == "item_f1" else np.int32)
+             for name, values in per_episode.items()}}
