@@ -32,14 +32,16 @@ def get_config(arg=None):
 
   # One SFT model on demonstrations of both roles when init.checkpoint is empty; it is both
   # the orchestrator's start and the frozen sub-agents (unless parl.subagent_checkpoint).
-  # Its orchestrator demonstrations solve tasks alone; `syntax_share` of them create and
-  # assign sub-agents with a random split (syntax only). Demonstrations span budgets 3-16,
-  # so the single agent can be measured beyond RL's budgets (experiments/swarm_latency.py).
+  # Its orchestrator demonstrations solve tasks alone; `delegation_share` of them open by
+  # splitting the task over a random number of sub-agents (shown, not preferred). Each
+  # episode adds `subagent_rows` sub-agent demonstrations, and `capability_share` of them
+  # a split episode with no loss on the choice to split (`widesearch.demonstrations`). They span budgets 3-16, so the
+  # single agent can be measured beyond RL's budgets (experiments/swarm_latency.py).
   c.warm_start = ml_collections.ConfigDict(dict(
-      demonstrations=6000, steps=400, batch=48, seed=0, pack=True, log_every=50,
-      checkpoint_every=200, router_bias_rate=1e-3, max_consecutive_skipped=10,
-      syntax_share=0.1, budget_range=(3, 16),
-      optimizer=common.optimizer_section(3e-3, 40, 150)))
+      demonstrations=6000, steps=700, batch=32, seed=0, pack=True, log_every=50,
+      checkpoint_every=350, router_bias_rate=1e-3, max_consecutive_skipped=10,
+      delegation_share=0.1, subagent_rows=2, capability_share=0.5, budget_range=(3, 16),
+      optimizer=common.optimizer_section(3e-3, 40, 200)))
 
   c.parl = ml_collections.ConfigDict(dict(
       budget_range=(3, 10),        # CriticalSteps budget, drawn per task and shown to the orchestrator

@@ -127,7 +127,7 @@ def main():
   parser.add_argument("--workdir", default=None, help="a finished configs/parl.py run: use its frozen sub-agent")
   parser.add_argument("--runs", type=int, default=5, help="timed runs per layout and driver (median)")
   parser.add_argument("--entities_per_agent", type=int, default=1)
-  parser.add_argument("--budget", type=int, default=widesearch.DEFAULT_BUDGET)
+  parser.add_argument("--budget", type=int, default=4, help="critical steps per episode (shown in the prompt)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "bench_swarm"))
   interleave.add_load_arguments(parser)

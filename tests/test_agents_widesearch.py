@@ -111,7 +111,9 @@ def test_demonstrations_are_deterministic_and_varied():
   prefix = ws.demonstrations(10, seed=1)
   assert np.array_equal(prefix["tokens"], a["tokens"][:len(prefix["tokens"])])
   assert a["tokens"].shape[1] == ws.MAX_CONTEXT and set(a["role"].tolist()) == {0, 1}
-  assert np.bincount(a["role"])[0] == 40 and a["episode"].max() == 39
+  orchestrators = np.bincount(a["role"])[0]          # one per episode, plus the capability rows
+  assert 40 < orchestrators <= 80 and a["episode"].max() == 39
+  assert np.bincount(ws.demonstrations(40, seed=1, capability_share=0.0)["role"])[0] == 40
   assert 0.0 < a["item_f1"].min() < 1.0 == a["item_f1"].max()        # truncated and solved episodes
   assert a["critical_steps"].max() <= ws.DEMO_BUDGETS[1]
 
@@ -119,10 +121,15 @@ def test_demonstrations_are_deterministic_and_varied():
 def test_demonstrated_orchestrator_starts_in_serial_collapse_with_competent_subagents():
   demos = ws.demonstrations(400, seed=0)
   wide = demos["kind"] == 0
-  assert demos["num_subagents"][wide].mean() <= 0.5                 # create/assign: syntax, rarely
-  assert 0 < (demos["num_subagents"] > 0).mean() <= 0.2 and demos["num_subagents"].max() <= 2
+  assert demos["num_subagents"][wide].mean() <= 0.5                 # create/assign: shown, rarely
+  assert 0 < (demos["num_subagents"] > 0).mean() <= 0.2 and demos["num_subagents"][~wide].max() <= 1
   subs = demos["role"] == 1                                          # sub-agent rows cover big assignments
-  assert (demos["length"][subs] > 40).any() and np.bincount(demos["role"])[1] > 2 * np.bincount(demos["role"])[0]
+  assert (demos["length"][subs] > 40).any() and subs.sum() >= 1.5 * 400
+  orch = np.flatnonzero(demos["role"] == 0)                         # capability rows: a split, its first
+  first_turn = [r for r in orch if demos["tokens"][r, demos["tokens"][r].tolist().index(dsl.EOT_ID) + 1] == dsl.CREATE_ID]
+  unchosen = [r for r in first_turn if demos["loss_mask"][r, demos["tokens"][r].tolist().index(dsl.EOT_ID) + 1] == 0]
+  assert len(unchosen) >= 150 and len(first_turn) - len(unchosen) == (demos["num_subagents"] > 0).sum()
+  assert demos["item_f1"][(demos["num_subagents"] == 0) & wide].mean() < demos["item_f1"][demos["num_subagents"] > 0].mean()
 
 
 def _segments(mask_row):
@@ -133,7 +140,7 @@ def _segments(mask_row):
 
 
 def test_demonstration_loss_masks_cover_exactly_the_policy_turns():
-  demos = ws.demonstrations(24, seed=3, syntax_share=0.5)
+  demos = ws.demonstrations(24, seed=3, delegation_share=0.5)
   for row in range(len(demos["role"])):
     tokens, mask, length = demos["tokens"][row], demos["loss_mask"][row], demos["length"][row]
     assert tokens[0] == (dsl.SUB_ID if demos["role"][row] else dsl.ORCH_ID)
@@ -142,14 +149,22 @@ def test_demonstration_loss_masks_cover_exactly_the_policy_turns():
     assert segments and segments[-1][1] == length            # a context ends with the agent's answer turn
     for start, end in segments:
       turn = tokens[start:end].tolist()
-      assert turn[0] in dsl.TOOL_IDS and turn[-1] == dsl.EOT_ID and turn.count(dsl.EOT_ID) == 1
-      delegates = demos["role"][row] == 0 and turn[0] == dsl.CREATE_ID
-      if not delegates:                                       # every other turn is the solo agent's
+      assert turn[-1] == dsl.EOT_ID and turn.count(dsl.EOT_ID) == 1
+      assert turn[0] in dsl.TOOL_IDS or tokens[start - 1] == dsl.CREATE_ID
+      delegates = demos["role"][row] == 0 and tokens[start] == dsl.CREATE_ID
+      capability = demos["role"][row] == 0 and tokens[start - 1] == dsl.CREATE_ID  # the choice carries no loss
+      if capability:
+        start -= 1
+        turn = tokens[start:end].tolist()
+      if not (delegates or capability):                       # every other turn is the solo agent's
         assert turn == ws.solo_policy(tokens[:start].tolist())
-      else:                                                   # a syntax delegation opens the episode
+      else:                                                   # a split opens the episode
         assert start == tokens.tolist().index(dsl.EOT_ID) + 1
+        k = sum(isinstance(c, tools.CreateSubagent) for c in tools.parse_turn(turn, role="orch").calls)
+        assert turn == tools.render_turn(ws.delegation(tools.read_context(tokens[:start].tolist()), k))
       assert tools.parse_turn(turn, role="orch").errors == ()
     unmasked = tokens[:length][mask[:length] == 0].tolist()
+    unmasked = [t for i, t in enumerate(unmasked) if not (i and t == dsl.CREATE_ID and unmasked[i - 1] == dsl.EOT_ID)]
     assert not any(t in dsl.TOOL_IDS for t in unmasked)     # prompt and observations only (no errors here)
     blocks = dsl.decode(unmasked).split(" | ")
     assert all(block.split()[0] == "obs" for block in blocks[1:] if block)

@@ -19,8 +19,8 @@ copies of a fixed checkpoint (`parl.subagent_checkpoint`); the orchestrator star
 SFT on scripted demonstrations of both roles run through the real budgeted environment
 (the built-in warm start, under workdir/warm_start), and uses it for both. Its
 orchestrator starts in serial collapse: the demonstrations solve tasks alone, with
-create/assign shown only as syntax in a small share (`widesearch.demonstrations`), so any
-parallelism the trained swarm shows comes from RL. The summary compares, by task width,
+create/assign shown with a random split in a small share (`widesearch.demonstrations`), so
+the preference for parallelism the trained swarm shows comes from RL. The summary compares, by task width,
 the trained swarm, the warm start as a swarm and the single agent (the warm-start model
 with `create`/`assign` removed from its vocabulary) on held-out tasks.
 """
@@ -80,23 +80,23 @@ def rewards(config, iteration: int, results) -> tuple[np.ndarray, dict]:
                  "r_finish": float(finish.mean()), "lambda1": lambda1, "lambda2": lambda2}
 
 
-WIDTH_BUCKETS = ((2, 7), (8, 15), (16, 24))   # wide tasks by entities asked; "wide8+" joins the last two
+WIDTH_BUCKETS = ((2, 7), (8, 15), (16, 24))   # wide tasks by entities asked; "wide8plus" joins the last two
 SUMMARY_METRICS = ("item_f1", "row_f1", "success", "num_created", "num_assigned", "num_finished", "num_idle",
                    "critical_steps", "forced", "errors_orch", "errors_sub")
 
 
 def task_groups(task) -> tuple[str, ...]:
-  """The summary groups a task falls in: all, its kind, its width bucket (wide) and wide8+."""
+  """The summary groups a task falls in: all, its kind, its width bucket (wide) and wide8plus."""
   if task.kind == "deep":
     return ("all", "deep")
   n = len(task.entities)
   buckets = tuple(f"wide{lo}-{hi}" for lo, hi in WIDTH_BUCKETS if lo <= n <= hi)
-  return ("all", "wide", *buckets, *(("wide8+",) if n >= 8 else ()))
+  return ("all", "wide", *buckets, *(("wide8plus",) if n >= 8 else ()))
 
 
 def summarize(results, wall: float) -> dict[str, float]:
   """Mean episode metrics (Item-F1, success, sub-agents, critical steps...) overall ("item_f1")
-  and per group ("wide/item_f1", "deep/...", "wide8-15/...", "wide8+/..."; `task_groups`)."""
+  and per group ("wide/item_f1", "deep/...", "wide8-15/...", "wide8plus/..."; `task_groups`)."""
   out = {"wall_s": wall}
   groups: dict[str, list] = {}
   for r in results:
@@ -139,7 +139,8 @@ def builtin_warm_start(config, model, mesh, workdir: str):
   of both roles (`warm_start`), trained (or resumed) under workdir/warm_start."""
   ws, p = config.warm_start, config.parl
   demos = widesearch.demonstrations(ws.demonstrations, ws.seed, deep_fraction=p.deep_fraction,
-                                    syntax_share=ws.syntax_share, budget_range=tuple(ws.budget_range),
+                                    delegation_share=ws.delegation_share, subagent_rows=ws.subagent_rows,
+                                    capability_share=ws.capability_share, budget_range=tuple(ws.budget_range),
                                     n_range=tuple(p.n_range), hops_range=tuple(p.hops_range),
                                     max_length=min(widesearch.MAX_CONTEXT, model.cfg.max_position_embeddings))
   wide = demos["kind"] == 0
@@ -171,9 +172,9 @@ def check(config) -> None:
   _check_range("warm_start.budget_range", config.warm_start.budget_range, dsl.MIN_BUDGET, dsl.MAX_BUDGET)
   _check_range("parl.n_range", p.n_range, 1, dsl.NUM_ENTITIES)
   _check_range("parl.hops_range", p.hops_range, 1, dsl.NUM_VALUES - 1)
-  if not 0.0 <= p.deep_fraction <= 1.0 or not 0.0 <= config.warm_start.syntax_share <= 1.0:
-    raise ValueError(f"parl.deep_fraction={p.deep_fraction} and warm_start.syntax_share="
-                     f"{config.warm_start.syntax_share} must be probabilities")
+  if not 0.0 <= p.deep_fraction <= 1.0 or not 0.0 <= config.warm_start.delegation_share <= 1.0:
+    raise ValueError(f"parl.deep_fraction={p.deep_fraction} and warm_start.delegation_share="
+                     f"{config.warm_start.delegation_share} must be probabilities")
   driver.check(config)
 
 
@@ -213,8 +214,8 @@ def run(config: ml_collections.ConfigDict, workdir: str):
     state, history = driver.train(
         trainer, state, config, collect=collector(config, model.cfg, sub), evaluate=evaluate, name="parl",
         log_keys=("reward", "item_f1", "num_created", "critical_steps", "lambda1", "loss", "sample_s"),
-        eval_keys=("item_f1", "wide/item_f1", "wide8+/item_f1", "deep/item_f1", "wide/num_created",
-                   "wide8+/num_created", "deep/num_created", "critical_steps"))
+        eval_keys=("item_f1", "wide/item_f1", "wide8plus/item_f1", "deep/item_f1", "wide/num_created",
+                   "wide8plus/num_created", "deep/num_created", "critical_steps"))
     final = evaluate_all(config, model.cfg, state.params, sub, warm, eval_tasks)
   history.append({"iteration": config.train.steps, "split": "final", "rows": final})
   with open(os.path.join(workdir, "parl_curves.json"), "w") as f:

@@ -16,8 +16,7 @@ Item-F1 / Row-F1 under a budget of critical steps. One module per concern:
 from k25jax.agents.widesearch.episode import AgentTranscript, Episode, EpisodeResult, Request
 from k25jax.agents.widesearch.scoring import TableScore, normalize, score_table, table_rows
 from k25jax.agents.widesearch.scripted import (DEMO_BUDGETS, Policy, ScriptedOrchestrator, SerialOrchestrator,
-                                               delegation, demonstrations, run_episode, solo_policy,
-                                               syntax_delegation)
+                                               delegation, demonstrations, run_episode, solo_policy)
 from k25jax.agents.widesearch.steps import StepTrace, stack_traces
 from k25jax.agents.widesearch.tasks import (BUDGET_RANGE, HOPS_RANGE, KIND_SYSTEM_PROMPT, KINDS, MAX_CONTEXT,
                                             N_RANGE, TERMINAL_VALUE, Task, follow_chain, make_task, next_entity,
@@ -28,5 +27,5 @@ __all__ = [
     "KIND_SYSTEM_PROMPT", "KINDS", "MAX_CONTEXT", "N_RANGE", "Policy", "Request", "ScriptedOrchestrator",
     "SerialOrchestrator", "StepTrace", "TERMINAL_VALUE", "TableScore", "Task", "delegation", "demonstrations",
     "follow_chain", "make_task", "next_entity", "normalize", "run_episode", "sample_tasks", "score_table",
-    "solo_policy", "stack_traces", "syntax_delegation", "table_rows",
+    "solo_policy", "stack_traces", "table_rows",
 ]

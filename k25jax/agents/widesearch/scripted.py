@@ -11,7 +11,7 @@ import numpy as np
 
 from k25jax.agents import dsl
 from k25jax.agents import tools
-from k25jax.agents.widesearch.episode import Episode, EpisodeResult
+from k25jax.agents.widesearch.episode import AgentTranscript, Episode, EpisodeResult
 from k25jax.agents.widesearch.tasks import MAX_CONTEXT, Task, next_entity, sample_tasks
 
 Policy = Callable[[Sequence[int]], list[int]]
@@ -71,31 +71,23 @@ class ScriptedOrchestrator:
     return tools.render_turn([_solo_call(view)])
 
 
-def syntax_delegation(view: tools.ContextView, rng: np.random.Generator) -> list[tools.ToolCall]:
-  """Create/assign as syntax, not as a strategy: k ∈ {1, 2} searchers, each assigned 1–3
-  of the task's entities drawn at random (overlapping, ignoring the task's width, the
-  budget and whether it is a chain), so a demonstration shows the calls and that their
-  hand-backs are observations, but never a split that pays."""
-  k = int(rng.integers(1, 3))
-  return ([tools.CreateSubagent(slot, "searcher") for slot in range(k)]
-          + [tools.AssignTask(slot, view.attribute, tuple(int(e) for e in rng.choice(
-              view.entities, size=int(rng.integers(1, min(3, len(view.entities)) + 1)), replace=False)))
-             for slot in range(k)])
-
-
 @dataclasses.dataclass
 class SerialOrchestrator:
   """The warm start's orchestrator: it solves the task alone (`solo_policy`), except that with
-  probability `syntax_share` its first turn is a `syntax_delegation` (then it carries on
-  alone over what is still missing). `rng` draws both choices."""
+  probability `delegation_share` its first turn delegates with a random split (`delegation`
+  over k sub-agents, k uniform in 1..min(n, 8), whatever the task's width or budget; a
+  chain goes to one follower) and then it carries on alone over what is still missing.
+  So create/assign are shown and their hand-backs read, but splitting is not preferred,
+  and the split shown is never chosen for the task. `rng` draws both choices."""
 
   rng: np.random.Generator
-  syntax_share: float = 0.1
+  delegation_share: float = 0.1
 
   def __call__(self, context: Sequence[int]) -> list[int]:
     view = tools.read_context(context)
-    if view.num_turns == 0 and self.rng.random() < self.syntax_share:
-      return tools.render_turn(syntax_delegation(view, self.rng))
+    if view.num_turns == 0 and self.rng.random() < self.delegation_share:
+      k = int(self.rng.integers(1, min(len(view.entities), dsl.NUM_AGENTS) + 1))
+      return tools.render_turn(delegation(view, k))
     return tools.render_turn([_solo_call(view)])
 
 
@@ -111,22 +103,35 @@ def run_episode(task: Task, orchestrator: Policy, subagent: Policy = solo_policy
   return episode.result()
 
 
-DEMO_BUDGETS = (dsl.MIN_BUDGET + 1, dsl.MAX_BUDGET)   # demonstrations span every budget a prompt shows but 2
+DEMO_BUDGETS = (dsl.MIN_BUDGET + 1, dsl.MAX_BUDGET)
 
 
-def demonstrations(num_episodes: int, seed: int, *, deep_fraction: float = 0.25, syntax_share: float = 0.1,
-                   budget_range: tuple[int, int] = DEMO_BUDGETS, max_length: int = MAX_CONTEXT,
-                   **task_kwargs) -> dict[str, np.ndarray]:
+def _without_first_choice(transcript: AgentTranscript) -> AgentTranscript:
+  """A copy with the loss off the first generated token (the agent's first decision)."""
+  mask = list(transcript.loss_mask)
+  mask[mask.index(1)] = 0
+  return dataclasses.replace(transcript, loss_mask=mask)   # demonstrations span every budget a prompt shows but 2
+
+
+def demonstrations(num_episodes: int, seed: int, *, deep_fraction: float = 0.25, delegation_share: float = 0.1,
+                   subagent_rows: int = 2, capability_share: float = 0.5,
+                   budget_range: tuple[int, int] = DEMO_BUDGETS,
+                   max_length: int = MAX_CONTEXT, **task_kwargs) -> dict[str, np.ndarray]:
   """SFT demonstrations of both roles, from scripted policies run through the budgeted env.
 
   The orchestrator starts in serial collapse: its demonstrations solve each task alone
   (`SerialOrchestrator`: one lookup per step, the answer when done or stopped), except a
-  `syntax_share` of them whose first turn is a `syntax_delegation`. The sub-agents must be
+  `delegation_share` of them that open with a random split. The sub-agents must be
   competent (they are frozen in PARL): their demonstrations come from a second run of the
   same task by `ScriptedOrchestrator(k)`, k uniform in 1..min(n, 8) (a deep task: 1
-  follower), whose sub-agent contexts are kept (its orchestrator's are not), so they cover
-  assignments of every size, truncated ones included. Tasks draw budgets from
-  `budget_range` (inclusive). Every context is one row (deterministic given seed):
+  follower), whose orchestrator context is dropped and up to `subagent_rows` of whose
+  sub-agent contexts are kept (drawn at random), so they cover assignments of every size,
+  truncated ones included (the orchestrator's own delegations add theirs). In a
+  `capability_share` of episodes that run's orchestrator context is kept too, with the
+  loss off its first token (`create`, the choice to split): the model learns to write a
+  split and to read its hand-backs without learning to prefer splitting, which only the
+  `delegation_share` teaches. Tasks draw budgets from `budget_range` (inclusive). Every
+  context is one row (deterministic given seed):
     tokens     int32 [N, max_length]   context, then PAD
     loss_mask  float32 [N, max_length] 1 on generated tokens (the SFT targets:
                weights = loss_mask[:, 1:] for targets tokens[:, 1:])
@@ -140,9 +145,12 @@ def demonstrations(num_episodes: int, seed: int, *, deep_fraction: float = 0.25,
   rows, per_episode = [], collections.defaultdict(list)
   for index, task in enumerate(tasks):
     rng = np.random.default_rng((seed, index, 1))
-    result = run_episode(task, SerialOrchestrator(rng, syntax_share))
+    result = run_episode(task, SerialOrchestrator(rng, delegation_share))
     k = 1 if task.kind == "deep" else int(rng.integers(1, min(len(task.entities), dsl.NUM_AGENTS) + 1))
-    helpers = run_episode(task, ScriptedOrchestrator(k)).subagents
+    split = run_episode(task, ScriptedOrchestrator(k))
+    helpers = [split.subagents[i] for i in sorted(rng.permutation(len(split.subagents))[:subagent_rows])]
+    if rng.random() < capability_share:
+      helpers.append(_without_first_choice(split.orchestrator))
     rows += [(t, index) for t in [result.orchestrator, *result.subagents, *helpers]]
     per_episode["num_subagents"].append(result.num_created)
     per_episode["item_f1"].append(result.score.item_f1)
