@@ -38,8 +38,8 @@ def get_config(arg=None):
   # a split episode with no loss on the choice to split (`widesearch.demonstrations`). They span budgets 3-16, so the
   # single agent can be measured beyond RL's budgets (experiments/swarm_latency.py).
   c.warm_start = ml_collections.ConfigDict(dict(
-      demonstrations=6000, steps=700, batch=32, seed=0, pack=True, log_every=50,
-      checkpoint_every=350, router_bias_rate=1e-3, max_consecutive_skipped=10,
+      demonstrations=6000, steps=1000, batch=32, seed=0, pack=True, log_every=50,
+      checkpoint_every=500, router_bias_rate=1e-3, max_consecutive_skipped=10,
       delegation_share=0.1, subagent_rows=2, capability_share=0.5, budget_range=(3, 16),
       optimizer=common.optimizer_section(3e-3, 40, 200)))
 
