@@ -78,9 +78,7 @@ def wide_tasks(seed: int, width: int, num: int) -> list[widesearch.Task]:
 def _point(results, wall: float, **extra) -> dict:
   """A (policy, W, B) point from the episodes' results (`parl.summarize`'s overall means)."""
   s = parl.summarize(results, wall)
-  keys = ("item_f1", "row_f1", "success", "num_created", "num_assigned", "num_finished", "num_idle",
-          "critical_steps", "forced")
-  return {**{k: s[k] for k in keys}, "wall_s": wall, "episodes": len(results), **extra}
+  return {**{k: s[k] for k in parl.SUMMARY_METRICS}, "wall_s": wall, "episodes": len(results), **extra}
 
 
 def measure_scripted(tasks, k: int) -> dict:

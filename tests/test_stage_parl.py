@@ -30,3 +30,24 @@ def test_main_command_runs_parl_and_prints_the_summary(tmp_path):
   final = curves[-1]["rows"]
   assert final["single agent (warm start), greedy"]["num_created"] == 0.0
   assert (tmp_path / "checkpoints").is_dir() and (tmp_path / "tensorboard").is_dir()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("warm_start.delegation_share", 1.5, "warm_start.delegation_share=1.5: must be a number in [0, 1]"),
+    ("warm_start.capability_share", -0.1, "warm_start.capability_share=-0.1: must be a number in [0, 1]"),
+    ("warm_start.subagent_rows", -1, "warm_start.subagent_rows=-1: must be an integer >= 0"),
+    ("parl.budget_range", (3, 17), "parl.budget_range=(3, 17) must be (lo, hi) with 2 <= lo <= hi <= 16"),
+    ("parl.n_range", (9, 8), "parl.n_range=(9, 8) must be (lo, hi) with 1 <= lo <= hi <= 32")])
+def test_bad_parl_fields_fail_naming_them(field, value, message):
+  from configs import parl as parl_config
+  from k25jax.stages import parl
+  from k25jax.train import config_check
+  config = parl_config.get_config()
+  config_check.validate(config)
+  parl.check(config)
+  section, name = field.split(".")
+  config[section][name] = value
+  with pytest.raises(ValueError) as error:
+    config_check.validate(config)
+    parl.check(config)
+  assert message in str(error.value)

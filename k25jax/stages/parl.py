@@ -20,9 +20,10 @@ SFT on scripted demonstrations of both roles run through the real budgeted envir
 (the built-in warm start, under workdir/warm_start), and uses it for both. Its
 orchestrator starts in serial collapse: the demonstrations solve tasks alone, with
 create/assign shown with a random split in a small share (`widesearch.demonstrations`), so
-the preference for parallelism the trained swarm shows comes from RL. The summary compares, by task width,
-the trained swarm, the warm start as a swarm and the single agent (the warm-start model
-with `create`/`assign` removed from its vocabulary) on held-out tasks.
+the preference for parallelism the trained swarm shows comes from RL. The summary
+compares, by task width, the trained swarm, the warm start as a swarm and the single
+agent (the warm-start model with `create`/`assign` removed from its vocabulary) on
+held-out tasks.
 """
 from __future__ import annotations
 
@@ -172,9 +173,6 @@ def check(config) -> None:
   _check_range("warm_start.budget_range", config.warm_start.budget_range, dsl.MIN_BUDGET, dsl.MAX_BUDGET)
   _check_range("parl.n_range", p.n_range, 1, dsl.NUM_ENTITIES)
   _check_range("parl.hops_range", p.hops_range, 1, dsl.NUM_VALUES - 1)
-  if not 0.0 <= p.deep_fraction <= 1.0 or not 0.0 <= config.warm_start.delegation_share <= 1.0:
-    raise ValueError(f"parl.deep_fraction={p.deep_fraction} and warm_start.delegation_share="
-                     f"{config.warm_start.delegation_share} must be probabilities")
   driver.check(config)
 
 

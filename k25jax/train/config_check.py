@@ -61,7 +61,7 @@ RULES = {
         "memory_mb", "ns_steps", "original_context", "eval.tasks", "toggle.m")},
     **{name: NON_NEGATIVE_INT for name in (
         "eval_batches", "vision_eval_batches", "warmup_steps", "decay_steps", "seed", "eval_seed", "visual_batch",
-        "projector_only_from", "anneal_steps", "top_k")},
+        "projector_only_from", "anneal_steps", "top_k", "subagent_rows")},
     **{name: POSITIVE for name in (
         "lr", "grad_clip", "rms_scale", "qk_clip_tau", "cpu_s", "wall_s", "beta_fast", "beta_slow", "optimizer.eps",
         "loss.eps", "eps_high", "tau")},
@@ -69,13 +69,12 @@ RULES = {
         "weight_decay", "z_loss", "balance_loss_alpha", "router_bias_rate", "lambda1", "lambda2", "temperature")},
     **{name: FRACTION for name in (
         "final_lr_ratio", "accuracy_threshold", "vision_ratio", "deep_fraction", "p_scratch", "p_check",
-        "p_two_calls")},
+        "p_two_calls", "delegation_share", "capability_share")},
     **{name: BELOW_ONE for name in ("b1", "b2", "momentum", "vision_start")},
     "top_p": _rule(lambda v: _real(v) and 0 < v <= 1, "a number in (0, 1]"),
     "rho": _rule(lambda v: _real(v) and 0 < v <= 100, "a percentile in (0, 100]"),
     "yarn_factor": _rule(lambda v: _real(v) and v >= 1, "a number >= 1"),
     "num_generations": _rule(lambda v: _int(v) and v >= 2, "an integer >= 2 (a group needs a baseline)"),
-    "parl.budget": _rule(lambda v: _int(v) and v >= 2, "an integer >= 2 (a step and the answer)"),
     "loss.alpha": _rule(lambda v: _real(v) and v <= 0, "a number <= 0 (the band's lower end on the log ratio)"),
     "loss.beta": _rule(lambda v: _real(v) and v >= 0, "a number >= 0 (the band's upper end on the log ratio)"),
     "stage": _choice(*STAGES),

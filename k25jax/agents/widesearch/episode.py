@@ -8,8 +8,8 @@ not a step; the orchestrator's answer turn is a stage of its own (1 step). So:
     the orchestrator alone (k = 0):                   n + 1   (deep chain of h rows: h + 1)
 
 The budget (the task's, shown in the orchestrator's prompt) truncates, it never zeroes:
-the last step is kept for the orchestrator's answer, sub-agents started in a stage may take `budget − used − 2` steps
-(an assignment with none left fails with `err assign`, code `budget`), a sub-agent at its
+the last step is kept for the orchestrator's answer, sub-agents started in a stage may
+take `budget − used − 2` steps (an assignment with none left fails with `err assign`, code `budget`), a sub-agent at its
 limit sees `stop` and must answer with what it has, and once only the answer step is
 left the orchestrator's observation ends with `stop`. A forced turn that does not answer
 ends that agent with an empty answer (code `no_answer`). The partial table is scored.
@@ -153,7 +153,6 @@ class Episode:
     if max_subagent_steps is not None and max_subagent_steps < 1:
       raise ValueError(f"max_subagent_steps={max_subagent_steps} must be >= 1")
     self.task = task if budget == task.budget else task.with_budget(budget)
-    self.budget = budget
     self.max_subagent_steps = max_subagent_steps
     self.trace = StepTrace()
     self.orchestrator = AgentTranscript("orch", "main", 0)
@@ -171,6 +170,11 @@ class Episode:
     self._main_rows: list[tuple[int, int]] = []
     self._main_errors: list[tools.ToolError] = []
     self._main_waiting = True
+
+  @property
+  def budget(self) -> int:
+    """The critical-step budget this episode runs under (its task's, as the prompt shows)."""
+    return self.task.budget
 
   @property
   def used_steps(self) -> int:

@@ -103,14 +103,14 @@ def run_episode(task: Task, orchestrator: Policy, subagent: Policy = solo_policy
   return episode.result()
 
 
-DEMO_BUDGETS = (dsl.MIN_BUDGET + 1, dsl.MAX_BUDGET)
+DEMO_BUDGETS = (dsl.MIN_BUDGET + 1, dsl.MAX_BUDGET)   # demonstrations span every budget a prompt shows but 2
 
 
 def _without_first_choice(transcript: AgentTranscript) -> AgentTranscript:
   """A copy with the loss off the first generated token (the agent's first decision)."""
   mask = list(transcript.loss_mask)
   mask[mask.index(1)] = 0
-  return dataclasses.replace(transcript, loss_mask=mask)   # demonstrations span every budget a prompt shows but 2
+  return dataclasses.replace(transcript, loss_mask=mask)
 
 
 def demonstrations(num_episodes: int, seed: int, *, deep_fraction: float = 0.25, delegation_share: float = 0.1,
