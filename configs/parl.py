@@ -2,7 +2,7 @@
 """PARL: an orchestrator learns by RL to split wide-search tasks over frozen sub-agents.
 
 `get_config("tiny")` (default): the synthetic wide-search environment (32 entities × 4
-attributes, wide tasks of 2–24 entities and deep chains of 2–5 hops, a critical-step
+attributes, wide tasks of 2–24 entities and deep chains of 4–10 hops, a critical-step
 budget of 3–10 drawn per task and shown in the prompt) and a ~250k-param K2 decoder on
 CPU: a built-in SFT warm start on scripted demonstrations (the orchestrator's solve tasks
 alone, so it starts in serial collapse; the sub-agents' are complete), then RL of the
@@ -16,11 +16,11 @@ import ml_collections
 
 from configs import common
 
-DSL_VOCAB_SIZE = 89   # the wide-search DSL's tokens (`k25jax.agents.dsl.VOCAB_SIZE`)
+DSL_VOCAB_SIZE = 90   # the wide-search DSL's tokens (`k25jax.agents.dsl.VOCAB_SIZE`)
 TINY_MODEL = dict(vocab_size=DSL_VOCAB_SIZE, hidden_size=96, intermediate_size=256, moe_intermediate_size=96,
                   num_hidden_layers=3, num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2,
                   q_lora_rank=48, kv_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
-                  max_position_embeddings=256)
+                  max_position_embeddings=192)
 
 
 def get_config(arg=None):
@@ -38,21 +38,21 @@ def get_config(arg=None):
   # a split episode with no loss on the choice to split (`widesearch.demonstrations`). They span budgets 3-16, so the
   # single agent can be measured beyond RL's budgets (experiments/swarm_latency.py).
   c.warm_start = ml_collections.ConfigDict(dict(
-      demonstrations=6000, steps=1000, batch=32, seed=0, pack=True, log_every=50,
+      demonstrations=6000, steps=600, batch=32, seed=0, pack=True, log_every=50,
       checkpoint_every=500, router_bias_rate=1e-3, max_consecutive_skipped=10,
-      delegation_share=0.1, subagent_rows=2, capability_share=0.5, budget_range=(3, 16),
+      delegation_share=0.07, subagent_rows=2, capability_share=0.5, budget_range=(3, 16),
       optimizer=common.optimizer_section(3e-3, 40, 200)))
 
   c.parl = ml_collections.ConfigDict(dict(
       budget_range=(3, 10),        # CriticalSteps budget, drawn per task and shown to the orchestrator
       n_range=(2, 24),             # entities of a wide task
-      hops_range=(2, 5),           # rows of a deep chain
+      hops_range=(4, 10),          # rows of a deep chain
       deep_fraction=0.25,          # share of deep (sequential) tasks, where spawning cannot help
-      lambda1=0.3, lambda2=0.3,    # weights of r_parallel and r_finish, annealed to 0
+      lambda1=0.1, lambda2=0.1,    # weights of r_parallel and r_finish, annealed to 0
       anneal_steps=60, anneal_kind="linear",
       parallel_cap=2,              # r_parallel = min(#sub-agents, cap) / cap: near-binary
       subagent_checkpoint="",      # frozen sub-agents' checkpoint ('' = the orchestrator's start)
-      orchestrator_turn_tokens=56, subagent_turn_tokens=32,
+      orchestrator_turn_tokens=24, subagent_turn_tokens=8,
       eval_tasks=128, eval_seed=12345))
 
   c.rl = ml_collections.ConfigDict(dict(prompts_per_iteration=16, num_generations=8, minibatches=2, temperature=1.0))

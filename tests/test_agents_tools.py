@@ -2,7 +2,7 @@
 import pytest
 
 from k25jax.agents import dsl, tools
-from k25jax.agents.tools import Answer, AssignTask, CreateSubagent, Search
+from k25jax.agents.tools import Answer, AssignShare, AssignTask, CreateSubagent, Search
 
 
 def parse(text, role="orch", known=()):
@@ -29,6 +29,28 @@ def test_ungrouped_calls_parse_like_grouped_ones():
 def test_answer_rows_and_empty_answer():
   assert parse("answer E1 V3 E5 V0 |", role="sub").answer == Answer(((1, 3), (5, 0)))
   assert parse("answer |").answer == Answer(())
+
+
+def test_all_references_a_share_of_the_remaining_lookups_and_every_observed_cell():
+  parsed = parse("create searcher S1 S2 S3 assign A1 S1 S2 S3 all |")
+  assert not parsed.errors and parsed.calls[3:] == (AssignShare(0, 1, 0, 3), AssignShare(1, 1, 1, 3),
+                                                    AssignShare(2, 1, 2, 3))
+  assert parse("answer all |", role="sub").answer == Answer((), found=True)
+  assert codes(parse("assign A1 S1 S2 all |", known={0})) == ["unknown_agent"]       # S2 was never created
+  assert codes(parse("assign A1 S1 all assign A1 S1 all |", known={0, 1})) == ["busy"]
+  for text in ("assign A1 S1 E2 all |", "assign A1 all S1 |", "assign A1 S1 all all |", "assign A1 S1 all S2 all |", "answer all E1 V2 |",
+               "answer E1 V2 all |"):
+    assert codes(parse(text, known={0, 1})) == ["arg_type"], text
+  assert codes(parse("assign A1 all |")) == ["arity"]
+
+
+def test_all_forms_render_back_to_the_same_turn():
+  for text in ("create follower S1 assign A2 S1 all |", "create searcher S1 S2 assign A0 S1 S2 all |",
+               "answer all |", "assign A3 S1 E4 S2 E5 |"):
+    parsed = parse(text, known=() if text.startswith("create") else {0, 1})
+    assert not parsed.errors and dsl.decode(tools.render_turn(parsed.calls)) == text
+  with pytest.raises(ValueError, match="share 1"):
+    tools.render_turn([AssignShare(1, 0, 1, 2)])               # a share without the one before it
 
 
 def test_tokens_after_end_of_turn_are_ignored():

@@ -26,6 +26,15 @@ def test_rows_align_targets_mask_and_old_logprobs():
   np.testing.assert_array_equal(batch["segment_ids"], [[1, 1, 1, 1, 0], [1, 1, 1, 1, 0]])
 
 
+def test_bucketed_width_covers_the_longest_rollout_in_few_shapes():
+  row = lambda n: rollout.Response([1] * n, [0.0] * n, [0.0] * n)
+  assert rollout.bucketed_width([row(5), row(33)], 32, 192) == 32      # 33 tokens: 32 input positions
+  assert rollout.bucketed_width([row(5), row(34)], 32, 192) == 64
+  assert rollout.bucketed_width([row(500)], 32, 192) == 192            # capped: loss_rows cuts the rest
+  batch = rollout.loss_rows([row(5), row(34)], rollout.bucketed_width([row(5), row(34)], 32, 192), 0)
+  assert batch["segment_ids"].sum(axis=1).tolist() == [4, 33]          # every position with a target kept
+
+
 def test_training_path_recomputes_the_samplers_logprobs():
   """At θ = θ_old the loss's log π equals what the latent-cache sampler recorded."""
   config = load_config("configs/rl.py")

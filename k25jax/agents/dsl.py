@@ -1,4 +1,4 @@
-"""The PARL token DSL: an 89-token vocabulary for the tiny wide-search swarm, and its tokenizer.
+"""The PARL token DSL: a 90-token vocabulary for the tiny wide-search swarm, and its tokenizer.
 
 Every agent (the orchestrator or a sub-agent) sees ONE context: a sequence of blocks,
 each closed by the end-of-turn token `|`. The environment writes the prompt and the
@@ -17,6 +17,9 @@ observations, the model writes the turns (the only tokens under the loss):
     SYSTEM  searcher | follower   a sub-agent's system prompt, chosen by the orchestrator's `create`
     ATTRIBUTE  A0..A3                ENTITY  E0..E31       VALUE  V0..V15
     TOOL       create | assign | search | answer           AGENT  S1..S8 (sub-agent names)
+    all                  a reference instead of a list: in `assign A S1 .. Sk all` the lookups
+                         the task still needs, split over the agents; in `answer all` every
+                         cell the agent has observed (`tools.py`)
 
 The orchestrator's prompt names neither its task's kind nor a sub-agent role: it says
 what to find and how many critical steps it may take; whether to split is its call.
@@ -31,6 +34,9 @@ Readable text is the tokens joined by single spaces, e.g.
 
     orch B4 A2 E1 E5 E7 | create searcher S1 S2 assign A2 S1 E1 E5 S2 E7 |
     obs E1 V3 E5 V9 E7 V0 | answer E1 V3 E5 V9 E7 V0 |
+
+or, with references, `create searcher S1 S2 assign A2 S1 S2 all |` (S1 gets E1 E5, S2
+gets E7) and `answer all |`.
 
 Token families with an index (entities, attributes, values, agents, budgets) are `Family`
 objects: `ENTITY.id(5)` is the id of `E5`, `ENTITY.index(id)` goes back, and
@@ -47,6 +53,7 @@ SYSTEM_PROMPTS = ("searcher", "follower")
 TOOLS = ("create", "assign", "search", "answer")
 OBS, ERR, STOP = "obs", "err", "stop"
 CHAIN = "chain"
+ALL = "all"
 
 NUM_AGENTS = 8
 NUM_ENTITIES = 32
@@ -96,7 +103,8 @@ ATTRIBUTE = Family("A", ENTITY.start + ENTITY.size, NUM_ATTRIBUTES)
 VALUE = Family("V", ATTRIBUTE.start + ATTRIBUTE.size, NUM_VALUES)
 BUDGET = Family("B", VALUE.start + VALUE.size, MAX_BUDGET - MIN_BUDGET + 1, offset=MIN_BUDGET)
 
-VOCAB: tuple[str, ...] = (*_FIXED, *AGENT.names, *ENTITY.names, *ATTRIBUTE.names, *VALUE.names, *BUDGET.names)
+# `all` came after the families: appended, so the ids of the earlier tokens stay as they were.
+VOCAB: tuple[str, ...] = (*_FIXED, *AGENT.names, *ENTITY.names, *ATTRIBUTE.names, *VALUE.names, *BUDGET.names, ALL)
 VOCAB_SIZE = len(VOCAB)
 TOKEN_ID: dict[str, int] = {token: i for i, token in enumerate(VOCAB)}
 
@@ -104,7 +112,7 @@ PAD_ID, EOT_ID = TOKEN_ID[PAD], TOKEN_ID[EOT]
 ORCH_ID, SUB_ID = (TOKEN_ID[r] for r in ROLES)
 SEARCHER_ID, FOLLOWER_ID = (TOKEN_ID[s] for s in SYSTEM_PROMPTS)
 CREATE_ID, ASSIGN_ID, SEARCH_ID, ANSWER_ID = (TOKEN_ID[t] for t in TOOLS)
-OBS_ID, ERR_ID, STOP_ID, CHAIN_ID = TOKEN_ID[OBS], TOKEN_ID[ERR], TOKEN_ID[STOP], TOKEN_ID[CHAIN]
+OBS_ID, ERR_ID, STOP_ID, CHAIN_ID, ALL_ID = (TOKEN_ID[t] for t in (OBS, ERR, STOP, CHAIN, ALL))
 ROLE_IDS = frozenset(TOKEN_ID[r] for r in ROLES)
 SYSTEM_IDS = frozenset(TOKEN_ID[s] for s in SYSTEM_PROMPTS)
 TOOL_IDS = frozenset(TOKEN_ID[t] for t in TOOLS)

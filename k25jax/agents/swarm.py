@@ -8,9 +8,9 @@ scheduler flushes: all waiting contexts of one role are decoded in ONE batched s
 call (sub-agents share the frozen params, the orchestrator uses the trainable ones), so
 16 sub-agents cost about as many device calls as one agent.
 
-Batches are padded to a few bucket shapes (`k25jax.rl.decode`: rows to a power of two,
-context length to a multiple of 16; a lone agent is decoded as one row) so the sampler
-compiles once per bucket, not once per tick. A context too long for the model gets an
+Batches are padded to a few bucket shapes (`k25jax.rl.decode`: rows to a power of two of
+at least 16, context length to a multiple of 64) so the sampler compiles once per bucket,
+not once per tick. A context too long for the model gets an
 empty turn (the environment treats it as truncated) and is counted in `overflows`.
 """
 from __future__ import annotations
@@ -37,7 +37,9 @@ class Policy:
   sampling: sampler.SamplingConfig
 
 
-CONTEXT_MULTIPLE = 16   # contexts are padded to a multiple of this many tokens (`decode.decode`)
+# Decode batches are padded to few shapes (each a ~3 s sampler compile on 2 CPU cores):
+CONTEXT_MULTIPLE = 64   # contexts to a multiple of this many tokens (`decode.decode`)
+MIN_ROWS = 16           # rows to a power of two, at least this many
 
 
 class Swarm:
@@ -84,7 +86,7 @@ class Swarm:
     self.overflows += fits.count(False)
     self.rng, key = jax.random.split(self.rng)
     out = decode.decode(policy.cfg, policy.params, [c if ok else c[:1] for c, ok in zip(contexts, fits)], key,
-                        policy.sampling, width_multiple=CONTEXT_MULTIPLE)
+                        policy.sampling, width_multiple=CONTEXT_MULTIPLE, min_rows=MIN_ROWS)
     self.device_calls[role] += 1
     self.decoded_rows[role] += len(contexts)
     return [turn if ok else ([], []) for turn, ok in zip(decode.turns(out), fits)]

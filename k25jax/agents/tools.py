@@ -10,11 +10,26 @@ orchestrator's parallel calls in one step, written compactly):
              | assign ATTRIBUTE (AGENT ENTITY+)+
                                               assign_task(AGENT, prompt = ATTRIBUTE ENTITY+)
                                               for each AGENT group
+             | assign ATTRIBUTE AGENT+ all    the same, each AGENT's prompt its share of the
+                                              lookups the task still needs (below)
              | search ATTRIBUTE ENTITY        search(ENTITY, ATTRIBUTE): one table lookup
              | answer (ENTITY VALUE)*         answer(rows): ends the agent's episode
+             | answer all                     answer(every cell the agent has observed)
 
 e.g. `create searcher S1 S2 assign A2 S1 E1 E5 S2 E7 |` is four calls: two
 create_subagent, then assign_task(S1, A2 E1 E5) and assign_task(S2, A2 E7).
+
+`all` refers to lists instead of spelling them (`AssignShare`, `Answer.found`). The
+lookups a task still needs are the environment's to say (`widesearch.remaining`, from
+what the orchestrator has observed): a wide task's entities without a value yet, in the
+prompt's order; a chain's next entity. `assign A S1 .. Sk all` gives agent i the i-th
+of k contiguous near-equal chunks of them (`np.array_split`); an agent whose chunk is
+empty gets nothing (`empty_share`). `answer all` answers every cell the agent observed,
+first sighting per entity, in order. With references a tiny model can orchestrate
+without copying long lists: the 3-layer, d=96 PARL model after 1000 SFT steps copied
+about 10 rows reliably, and scored Item-F1 0.37 on 16–24-entity tasks after a perfect
+scripted split whose hand-back it had only to transcribe, so explicit lists measured its
+copying, not its orchestration.
 
 Rules of a turn (checked in order, each violation a `ToolError` in place of the call):
 the orchestrator (`orch`) may use every tool, a sub-agent (`sub`) only `search` and
@@ -54,6 +69,7 @@ ERROR_CODES = (
     "extra_search",     # more than one search in one turn
     "with_answer",      # a call in the same turn as an answer (dropped)
     "budget",           # an assign_task when no sub-agent step is left in the budget (environment)
+    "empty_share",      # an `assign .. all` share with nothing in it: more agents than lookups left (environment)
     "no_answer",        # the budget forced an answer and the turn did not give one (environment)
 )
 ROLE_TOOLS = {"orch": frozenset(dsl.TOOLS), "sub": frozenset({"search", "answer"})}
@@ -79,6 +95,18 @@ class AssignTask:
 
 
 @dataclasses.dataclass(frozen=True)
+class AssignShare:
+  """assign_task(agent, prompt) by reference: the agent's prompt is chunk `share` of `shares`
+  of the lookups the task still needs (resolved by the environment when the call runs)."""
+
+  agent: int
+  attribute: int
+  share: int
+  shares: int
+  tool: ClassVar[str] = "assign"
+
+
+@dataclasses.dataclass(frozen=True)
 class Search:
   """search(entity, attribute): one lookup in the hidden table."""
 
@@ -89,9 +117,11 @@ class Search:
 
 @dataclasses.dataclass(frozen=True)
 class Answer:
-  """answer(rows): `rows` are (entity, value) index pairs, in the order written."""
+  """answer(rows): `rows` are (entity, value) index pairs, in the order written; with
+  `found` (`answer all`) the rows are every cell the agent has observed instead."""
 
   rows: tuple[tuple[int, int], ...]
+  found: bool = False
   tool: ClassVar[str] = "answer"
 
 
@@ -110,7 +140,7 @@ class ToolError:
       raise ValueError(f"unknown tool error code {self.code!r}; codes: {ERROR_CODES}")
 
 
-ToolCall = Union[CreateSubagent, AssignTask, Search, Answer]
+ToolCall = Union[CreateSubagent, AssignTask, AssignShare, Search, Answer]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,9 +205,25 @@ def _parse_create(args: list[int]):
   return [CreateSubagent(dsl.AGENT.index(t), system) for t in args[1:]]
 
 
+def _parse_assign_shares(args: list[int]):
+  """`assign ATTRIBUTE AGENT+ all` (args without the trailing `all`)."""
+  agents = args[1:]
+  for token in agents:
+    if _kind(token) != "agent":
+      return "arg_type", f"{dsl.token_name(token)!r} is not an agent name (an `all` assignment lists agents only)"
+  if not agents:
+    return "arity", "assign .. all needs at least one agent name"
+  attribute = dsl.ATTRIBUTE.index(args[0])
+  return [AssignShare(dsl.AGENT.index(t), attribute, i, len(agents)) for i, t in enumerate(agents)]
+
+
 def _parse_assign(args: list[int]):
   if args and _kind(args[0]) != "attribute":
     return "arg_type", f"argument 1 is {dsl.token_name(args[0])!r}, expected an attribute"
+  if dsl.ALL_ID in args:
+    if args[-1] != dsl.ALL_ID or args.count(dsl.ALL_ID) > 1:
+      return "arg_type", "`all` must close an assign call, once"
+    return _parse_assign_shares(args[:-1])
   if len(args) < 3:
     return "arity", "assign needs an attribute, then one agent name and at least one entity"
   for token in args[1:]:
@@ -207,6 +253,10 @@ def _parse_search(args: list[int]):
 
 
 def _parse_answer(args: list[int]):
+  if args == [dsl.ALL_ID]:
+    return [Answer((), found=True)]
+  if dsl.ALL_ID in args:
+    return "arg_type", "`answer all` takes no rows"
   for position, token in enumerate(args):
     expected = "entity" if position % 2 == 0 else "value"
     if _kind(token) != expected:
@@ -256,7 +306,7 @@ def _apply_turn_rules(calls: list, known_agents: Iterable[int]) -> list[ToolCall
         call = ToolError("duplicate_agent", "create", f"agent {dsl.AGENT.name(call.agent)} already exists")
       else:
         known.add(call.agent)
-    elif isinstance(call, AssignTask):
+    elif isinstance(call, (AssignTask, AssignShare)):
       name = dsl.AGENT.name(call.agent)
       if call.agent not in known:
         call = ToolError("unknown_agent", "assign", f"agent {name} was never created")
@@ -353,8 +403,20 @@ def render_turn(calls: Iterable[ToolCall]) -> list[int]:
       if not (isinstance(previous, AssignTask) and previous.attribute == call.attribute):
         tokens += [dsl.ASSIGN_ID, dsl.ATTRIBUTE.id(call.attribute)]
       tokens += [dsl.AGENT.id(call.agent), *(dsl.ENTITY.id(e) for e in call.entities)]
+    elif isinstance(call, AssignShare):
+      if call.share == 0:
+        tokens += [dsl.ASSIGN_ID, dsl.ATTRIBUTE.id(call.attribute)]
+      elif not (isinstance(previous, AssignShare) and previous.share == call.share - 1
+                and (previous.attribute, previous.shares) == (call.attribute, call.shares)):
+        raise ValueError(f"share {call.share} of {call.shares} does not follow share {call.share - 1} "
+                         "of the same assign call")
+      tokens.append(dsl.AGENT.id(call.agent))
+      if call.share == call.shares - 1:
+        tokens.append(dsl.ALL_ID)
     elif isinstance(call, Search):
       tokens += [dsl.SEARCH_ID, dsl.ATTRIBUTE.id(call.attribute), dsl.ENTITY.id(call.entity)]
+    elif isinstance(call, Answer) and call.found:
+      tokens += [dsl.ANSWER_ID, dsl.ALL_ID]
     elif isinstance(call, Answer):
       tokens.append(dsl.ANSWER_ID)
       for entity, value in call.rows:

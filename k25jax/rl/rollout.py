@@ -71,6 +71,14 @@ def loss_rows(rollouts: Sequence[Scored], seq_len: int, pad_id: int) -> dict[str
           "positions": positions, "segment_ids": (positions < lengths[:, None] - 1).astype(np.int32)}
 
 
+def bucketed_width(rollouts: Sequence[Scored], multiple: int, limit: int) -> int:
+  """The row width `loss_rows` needs for the longest rollout (L − 1), rounded up to a multiple
+  of `multiple` and at most `limit`: the update step then compiles once per bucket and
+  computes no columns that are all padding."""
+  longest = max((len(r.tokens) for r in rollouts), default=2) - 1
+  return min(limit, -(-max(longest, 1) // multiple) * multiple)
+
+
 def mask_banned(logits: jax.Array, banned: Sequence[int]) -> jax.Array:
   """logits with the `banned` ids at −inf: the distribution a sampler with `banned_tokens` draws from."""
   return logits.at[..., jnp.asarray(banned, jnp.int32)].set(-jnp.inf) if banned else logits

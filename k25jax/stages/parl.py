@@ -42,6 +42,7 @@ from k25jax.rl import driver, rollout, sampler
 from k25jax.train import config_utils, sharding, trainer as trainer_lib, warm_start as warm_start_lib
 
 SOLO_BANNED = (dsl.token_id("create"), dsl.token_id("assign"))
+ROW_MULTIPLE = 64   # the update's rows are as wide as the longest orchestrator context, rounded up to this
 
 
 # ------------------------------------------------------------------------------ policies
@@ -128,7 +129,9 @@ def collector(config, model_cfg, sub_params):
     episodes = [t for t in tasks for _ in range(rl.num_generations)]
     results, runtime, wall = play(config, model_cfg, params, sub_params, episodes, greedy=False, seed=it)
     reward, parts = rewards(config, it, results)
-    rows = rollout.loss_rows([r.orchestrator for r in results], model_cfg.max_position_embeddings, dsl.PAD_ID)
+    transcripts = [r.orchestrator for r in results]
+    width = rollout.bucketed_width(transcripts, ROW_MULTIPLE, model_cfg.max_position_embeddings)
+    rows = rollout.loss_rows(transcripts, width, dsl.PAD_ID)
     return driver.Rollouts(rows, reward, {**parts, **summarize(results, wall), "reward": float(reward.mean()),
                                           "device_calls": float(sum(runtime.device_calls.values()))})
   return collect

@@ -19,13 +19,13 @@ from k25jax.agents.widesearch.scripted import (DEMO_BUDGETS, Policy, ScriptedOrc
                                                delegation, demonstrations, run_episode, solo_policy)
 from k25jax.agents.widesearch.steps import StepTrace, stack_traces
 from k25jax.agents.widesearch.tasks import (BUDGET_RANGE, HOPS_RANGE, KIND_SYSTEM_PROMPT, KINDS, MAX_CONTEXT,
-                                            N_RANGE, TERMINAL_VALUE, Task, follow_chain, make_task, next_entity,
+                                            N_RANGE, TERMINAL_VALUE, Task, follow_chain, make_task, next_entity, remaining,
                                             sample_tasks)
 
 __all__ = [
     "AgentTranscript", "BUDGET_RANGE", "DEMO_BUDGETS", "Episode", "EpisodeResult", "HOPS_RANGE",
     "KIND_SYSTEM_PROMPT", "KINDS", "MAX_CONTEXT", "N_RANGE", "Policy", "Request", "ScriptedOrchestrator",
     "SerialOrchestrator", "StepTrace", "TERMINAL_VALUE", "TableScore", "Task", "delegation", "demonstrations",
-    "follow_chain", "make_task", "next_entity", "normalize", "run_episode", "sample_tasks", "score_table",
+    "follow_chain", "make_task", "next_entity", "normalize", "remaining", "run_episode", "sample_tasks", "score_table",
     "solo_policy", "stack_traces", "table_rows",
 ]

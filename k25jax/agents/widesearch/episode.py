@@ -30,11 +30,13 @@ import collections
 import dataclasses
 from typing import Sequence
 
+import numpy as np
+
 from k25jax.agents import dsl
 from k25jax.agents import tools
 from k25jax.agents.widesearch.scoring import TableScore, score_table, table_rows
 from k25jax.agents.widesearch.steps import StepTrace
-from k25jax.agents.widesearch.tasks import TERMINAL_VALUE, Task
+from k25jax.agents.widesearch.tasks import TERMINAL_VALUE, Task, remaining
 
 
 @dataclasses.dataclass
@@ -136,6 +138,13 @@ class EpisodeResult:
     return out
 
 
+def _answer_rows(answer: tools.Answer | None, view: tools.ContextView) -> tuple[tuple[int, int], ...]:
+  """The rows an answer gives: its own, or (`answer all`) every cell its agent observed."""
+  if answer is None:
+    return ()
+  return view.found if answer.found else answer.rows
+
+
 class Episode:
   """One budgeted episode: the orchestrator, the sub-agents it creates, the hidden table.
 
@@ -143,7 +152,9 @@ class Episode:
   runs its calls, accounts the steps and writes the observations (module docstring).
   Every sub-agent assignment is a fresh context `sub SYSTEM A E.. |` (the system prompt
   its name was created with); the orchestrator observes the rows each sub-agent answered,
-  in assignment order, then its own search result, then its errors.
+  in assignment order, then its own search result, then its errors. An `assign .. all`
+  splits the lookups the orchestrator's observations so far leave (`remaining`); an
+  `answer all` answers the cells its agent has observed.
   """
 
   def __init__(self, task: Task, *, budget: int | None = None, max_subagent_steps: int | None = None):
@@ -218,6 +229,7 @@ class Episode:
     return tools.ToolError(code, tool, detail)
 
   def _orchestrator_turn(self, tokens, logprobs) -> None:
+    view = tools.read_context(self.orchestrator.tokens)
     parsed = tools.parse_turn(tokens, role="orch", known_agents=self.created)
     self._record_turn(self.orchestrator, parsed, logprobs, "orch")
     self._main_waiting = False
@@ -225,13 +237,21 @@ class Episode:
       if parsed.answer is None:
         self._error("orch", "no_answer", None, "the budget forced an answer")
       self.trace.add_stage()
-      self.prediction = parsed.answer.rows if parsed.answer is not None else ()
+      self.prediction = _answer_rows(parsed.answer, view)
       self.done = True
       return
     self._main_rows, self._main_errors = [], list(parsed.errors)
+    needed = remaining(view)
     for call in parsed.valid:
       if isinstance(call, tools.CreateSubagent):
         self.created[call.agent] = call.system_prompt
+      elif isinstance(call, tools.AssignShare):
+        share = tuple(int(e) for e in np.array_split(np.asarray(needed, np.int64), call.shares)[call.share])
+        if share:
+          self._start_subagent(tools.AssignTask(call.agent, call.attribute, share))
+        else:
+          self._main_errors.append(self._error("orch", "empty_share", "assign",
+                                               f"{dsl.AGENT.name(call.agent)}'s share of the remaining lookups is empty"))
       elif isinstance(call, tools.AssignTask):
         self._start_subagent(call)
       elif isinstance(call, tools.Search):
@@ -255,12 +275,13 @@ class Episode:
     self._ever_assigned.add(call.agent)
 
   def _subagent_turn(self, run: _SubagentRun, tokens, logprobs) -> None:
+    view = tools.read_context(run.transcript.tokens)
     parsed = tools.parse_turn(tokens, role="sub")
     self._record_turn(run.transcript, parsed, logprobs, "sub")
     if parsed.answer is not None or run.forced:
       if parsed.answer is None:
         self._error("sub", "no_answer", None, "the budget forced an answer")
-      run.rows = parsed.answer.rows if parsed.answer is not None else None
+      run.rows = _answer_rows(parsed.answer, view) if parsed.answer is not None else None
       run.done = True
     else:
       run.steps += 1

@@ -12,48 +12,32 @@ import numpy as np
 from k25jax.agents import dsl
 from k25jax.agents import tools
 from k25jax.agents.widesearch.episode import AgentTranscript, Episode, EpisodeResult
-from k25jax.agents.widesearch.tasks import MAX_CONTEXT, Task, next_entity, sample_tasks
+from k25jax.agents.widesearch.tasks import MAX_CONTEXT, Task, remaining, sample_tasks
 
 Policy = Callable[[Sequence[int]], list[int]]
 
 
-def _pending_entity(view: tools.ContextView) -> int | None:
-  """The next lookup a solo agent needs, or None when its task is complete."""
-  if not view.chain:
-    return next((e for e in view.entities if view.value_of(e) is None), None)
-  if not view.found:
-    return view.entities[0]
-  following = next_entity(view.found[-1][1])
-  return None if following is None or view.value_of(following) is not None else following
-
-
 def _solo_call(view: tools.ContextView) -> tools.ToolCall:
-  """Search the next needed cell, or answer (when done or stopped) with the cells found."""
-  entity = _pending_entity(view)
-  if entity is not None and not view.stopped:
-    return tools.Search(entity, view.attribute)
-  if not view.chain:
-    rows = tuple((e, view.value_of(e)) for e in view.entities if view.value_of(e) is not None)
-  else:
-    rows = view.found
-  return tools.Answer(rows)
+  """Search the next needed cell (`remaining`), or, when done or stopped, `answer all`."""
+  needed = remaining(view)
+  if needed and not view.stopped:
+    return tools.Search(needed[0], view.attribute)
+  return tools.Answer((), found=True)
 
 
 def solo_policy(context: Sequence[int]) -> list[int]:
   """Scripted single agent (a sub-agent, or an orchestrator without sub-agents): one search
-  per step over its entities (searcher) or along the chain (follower), then the answer."""
+  per step over its entities (searcher) or along the chain (follower), then `answer all`."""
   return tools.render_turn([_solo_call(tools.read_context(context))])
 
 
 def delegation(view: tools.ContextView, num_subagents: int) -> list[tools.ToolCall]:
-  """The calls that split a task over sub-agents S1..Sk: a wide task's entities in k
-  contiguous near-equal chunks (k capped at n); a deep chain to one follower."""
-  if view.chain:
-    return [tools.CreateSubagent(0, "follower"), tools.AssignTask(0, view.attribute, view.entities[:1])]
-  chunks = np.array_split(np.asarray(view.entities), min(num_subagents, len(view.entities)))
-  return ([tools.CreateSubagent(slot, "searcher") for slot in range(len(chunks))]
-          + [tools.AssignTask(slot, view.attribute, tuple(int(e) for e in chunk))
-             for slot, chunk in enumerate(chunks)])
+  """The calls that split what a task still needs over new sub-agents S1..Sk,
+  `create searcher S1 .. Sk assign A S1 .. Sk all` (k capped at the lookups left); a deep
+  chain goes to one follower, `create follower S1 assign A S1 all`."""
+  system, k = ("follower", 1) if view.chain else ("searcher", min(num_subagents, len(remaining(view))))
+  return ([tools.CreateSubagent(slot, system) for slot in range(k)]
+          + [tools.AssignShare(slot, view.attribute, slot, k) for slot in range(k)])
 
 
 @dataclasses.dataclass(frozen=True)

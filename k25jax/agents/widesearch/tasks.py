@@ -11,7 +11,7 @@ Tasks (`make_task`, `sample_tasks`), each with a critical-step budget B drawn pe
   k of them per step, while the orchestrator alone does one.
 * deep  "follow attribute A from entity E": prompt `orch B chain A E |`. A value links to
   the entity of the same number (Vk names Ek) and V0 ends the chain (`next_entity`). The
-  gold table is the chain of visited rows E→V, 2..5 hops. Each lookup needs the previous
+  gold table is the chain of visited rows E→V, 4..10 hops. Each lookup needs the previous
   value, so parallelism cannot help; delegating costs one extra step (the orchestrator
   should learn NOT to spawn here).
 Nothing in a prompt names the task's kind or a sub-agent role beyond the task itself.
@@ -27,8 +27,8 @@ from k25jax.agents import tools
 
 BUDGET_RANGE = (3, 10)    # the budgets RL tasks draw from (inclusive); prompts can show 2..16
 N_RANGE = (2, 24)         # entities of a wide task
-HOPS_RANGE = (2, 5)       # rows of a deep chain
-MAX_CONTEXT = 256         # tokens per agent context (n ≤ 24, budget ≤ 16)
+HOPS_RANGE = (4, 10)      # rows of a deep chain
+MAX_CONTEXT = 160         # tokens per agent context (n ≤ 24, budget ≤ 16: at most 152)
 TERMINAL_VALUE = 0        # V0 ends a deep chain
 KINDS = ("wide", "deep")
 KIND_SYSTEM_PROMPT = {"wide": "searcher", "deep": "follower"}   # the sub-agent role that does a kind's lookups
@@ -37,6 +37,19 @@ KIND_SYSTEM_PROMPT = {"wide": "searcher", "deep": "follower"}   # the sub-agent 
 def next_entity(value: int) -> int | None:
   """The entity a value names in a deep chain (Vk → Ek), or None for the terminal V0."""
   return None if value == TERMINAL_VALUE else int(value)
+
+
+def remaining(view: tools.ContextView) -> tuple[int, ...]:
+  """The lookups an agent's task still needs, given what it has observed (what `assign .. all`
+  splits, and what a scripted agent searches next): a wide task's entities without a value
+  yet, in the prompt's order; a chain's next entity (its start, or the entity the last value
+  found names; none once the chain ends or comes back to an entity already seen)."""
+  if not view.chain:
+    return tuple(e for e in view.entities if view.value_of(e) is None)
+  if not view.found:
+    return view.entities[:1]
+  following = next_entity(view.found[-1][1])
+  return () if following is None or view.value_of(following) is not None else (following,)
 
 
 def follow_chain(table: np.ndarray, attribute: int, start: int) -> tuple[tuple[int, int], ...]:
