@@ -34,6 +34,7 @@ import numpy as np
 from k25jax.model import rope
 from k25jax.model.config import VisionConfig
 from k25jax.model.layers import Linear, dtype_of
+from k25jax.ops.attention import block_diagonal_attention
 
 LAYER_NORM_EPS = 1e-5
 BICUBIC_A = -0.75      # the Keys kernel of torch's bicubic interpolation
@@ -283,21 +284,6 @@ class VisionMLP(nn.Module):
     h = Linear(cfg.hidden_size, cfg.intermediate_size, ("vit_embed", "vit_mlp"), name="fc0", **kw)(x)
     h = jax.nn.gelu(h, approximate=True)
     return Linear(cfg.intermediate_size, cfg.hidden_size, ("vit_mlp", "vit_embed"), name="fc1", **kw)(h)
-
-
-def block_diagonal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
-  """softmax(q·kᵀ/√d + mask)·v over one packed sequence; patch i sees j iff same segment.
-
-  q, k, v: [N, heads, head_dim]; segment_ids [N]. Materialises the [heads, N, N] logits:
-  fine for the item sizes of training batches on CPU/one chip; a segment-aware flash kernel
-  is the way to 16K-patch items.
-  """
-  scale = q.shape[-1] ** -0.5
-  logits = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
-  same = segment_ids[:, None] == segment_ids[None, :]
-  logits = jnp.where(same[None], logits, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(logits, axis=-1)
-  return jnp.einsum("hqk,khd->qhd", probs, v.astype(jnp.float32)).astype(q.dtype)
 
 
 class VisionEncoder(nn.Module):

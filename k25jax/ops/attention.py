@@ -1,4 +1,5 @@
-"""Causal attention in plain jax.numpy: the XLA path of MLA training and the kernels' reference.
+"""Attention in plain jax.numpy: the XLA paths of MLA training and of the vision tower, and
+the kernels' references.
 
 `causal_attention` is what `k25jax.model.attention.MLA` runs with attention_impl="xla"
 and what `pallas_kernels.mla_attention` is checked against:
@@ -6,6 +7,10 @@ and what `pallas_kernels.mla_attention` is checked against:
     o_i = Σ_j softmax_j(scale · q_i·k_j + mask_ij) v_j,   mask: j ≤ i ∧ seg_i = seg_j,
 
 with the per-head max of the unmasked logits (QK-Clip's input) beside the output.
+
+`block_diagonal_attention` is MoonViT-3D's attention over one packed sequence of patches
+(`k25jax.model.vision`): the same softmax with scale = d^-1/2 and mask seg_i = seg_j only
+(not causal).
 """
 from __future__ import annotations
 
@@ -43,3 +48,18 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
   if segment_ids is not None:
     row_max = jnp.where(segment_ids[:, None, :] > 0, row_max, -jnp.inf)
   return jnp.concatenate(outs, axis=1), jnp.max(row_max, axis=(0, 2))
+
+
+def block_diagonal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+  """softmax(q·kᵀ/√d + mask)·v over one packed sequence; patch i sees j iff same segment.
+
+  q, k, v: [N, heads, head_dim]; segment_ids [N]. Materialises the [heads, N, N] logits:
+  fine for the item sizes of training batches on CPU/one chip; a segment-aware flash kernel
+  is the way to 16K-patch items.
+  """
+  scale = q.shape[-1] ** -0.5
+  logits = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+  same = segment_ids[:, None] == segment_ids[None, :]
+  logits = jnp.where(same[None], logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1)
+  return jnp.einsum("hqk,khd->qhd", probs, v.astype(jnp.float32)).astype(q.dtype)
