@@ -13,7 +13,7 @@ import pytest
 from jax import export
 from jax.sharding import SingleDeviceSharding
 
-from pallas_kernels import common, mla_attention, mla_decode, moe
+from pallas_kernels import common, mla_attention, mla_decode, moe, vision_attention
 
 S = jax.ShapeDtypeStruct
 BF16 = jnp.bfloat16
@@ -34,10 +34,21 @@ def _attention_args(seq, heads, dqk, dv, **sharding):
   return qkv + [S((1, seq), jnp.int32, **sharding)]
 
 
+def _vision_grad():
+  return jax.grad(_loss(lambda q, k, v, seg: vision_attention.flash_attention(q, k, v, seg)), argnums=(0, 1, 2))
+
+
+def _vision_args(patches, **sharding):
+  """Abstract q, k, v [patches, 16, 72] (bf16, K2.5's vision heads) and segment ids [patches]."""
+  return [S((patches, 16, 72), BF16, **sharding) for _ in range(3)] + [S((patches,), jnp.int32, **sharding)]
+
+
 KERNELS = {   # name → () → (a fresh function, so no trace is shared between platforms; abstract arguments)
     "attention_fwd_bwd": lambda: (_attention_grad(), _attention_args(256, 2, 96, 64)),
     # K2.5 head dims at 32K; on TPU, K/V tiled in blocks of 512 keys
     "attention_fwd_bwd_32k": lambda: (_attention_grad(), _attention_args(32768, 1, 192, 128)),
+    # the largest image MoonViT-3D takes, 16,384 patches, at K2.5's vision dims
+    "vision_attention_fwd_bwd_16k": lambda: (_vision_grad(), _vision_args(16384)),
     "decode": lambda: (
         lambda *a: mla_decode.latent_attention(*a, 0.1),
         (S((2, 1, 16, 256), BF16), S((2, 1, 16, 32), BF16), S((2, 1024, 256), BF16), S((2, 1024, 32), BF16),
@@ -64,16 +75,33 @@ def test_kernel_lowers(kernel, platform, monkeypatch):
   assert custom_call in exported.mlir_module()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                    reason="libtpu is not installed (pip install -e '.[tpu]'): the TPU compiler, no TPU needed")
-def test_attention_compiles_for_a_v5p_chip_at_262k_tokens(monkeypatch):
-  """K2.5 head dims at the full 262,144-token context: the tiled kernels fit the chip's scoped VMEM
-  (whole K/V rows per program, as before tiling, ran out of it already at 32K)."""
+NEEDS_LIBTPU = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu is not installed (pip install -e '.[tpu]'): the TPU compiler, "
+                                         "no TPU needed")
+
+
+def _compile_for_v5p(fn, args, monkeypatch):
+  """`fn` compiled for one v5p chip (libtpu, no TPU); `args(sharding=)` its abstract arguments."""
   monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")      # other test processes may hold libtpu's lock
   monkeypatch.setattr(common, "target", lambda interpret=None: "tpu")
   from jax.experimental import topologies
   chip = SingleDeviceSharding(topologies.get_topology_desc("v5p:2x2x1", "tpu").devices[0])
-  args = _attention_args(262144, 1, 192, 128, sharding=chip)
   with jax.default_matmul_precision("default"):   # conftest's "highest" asks Mosaic for fp32 matmuls of bf16
-    compiled = jax.jit(_attention_grad()).lower(*args).compile()
+    return jax.jit(fn).lower(*args(sharding=chip)).compile()
+
+
+@NEEDS_LIBTPU
+def test_attention_compiles_for_a_v5p_chip_at_262k_tokens(monkeypatch):
+  """K2.5 head dims at the full 262,144-token context: the tiled kernels fit the chip's scoped VMEM
+  (whole K/V rows per program, as before tiling, ran out of it already at 32K)."""
+  compiled = _compile_for_v5p(_attention_grad(), lambda **s: _attention_args(262144, 1, 192, 128, **s), monkeypatch)
   assert compiled.memory_analysis().temp_size_in_bytes > 0
+
+
+@NEEDS_LIBTPU
+def test_vision_attention_compiles_for_a_v5p_chip_at_16k_patches(monkeypatch):
+  """16,384 patches, 16 heads of 72: the kernels fit the chip's scoped VMEM, and forward + backward
+  take under 1/16 of the 16 GiB that the XLA path's [heads, N, N] float32 logits alone need."""
+  patches, heads = 16384, 16
+  compiled = _compile_for_v5p(_vision_grad(), lambda **s: _vision_args(patches, **s), monkeypatch)
+  assert compiled.memory_analysis().temp_size_in_bytes < heads * patches * patches * 4 // 16

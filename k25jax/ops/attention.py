@@ -9,8 +9,9 @@ and what `pallas_kernels.mla_attention` is checked against:
 with the per-head max of the unmasked logits (QK-Clip's input) beside the output.
 
 `block_diagonal_attention` is MoonViT-3D's attention over one packed sequence of patches
-(`k25jax.model.vision`): the same softmax with scale = d^-1/2 and mask seg_i = seg_j only
-(not causal).
+(`k25jax.model.vision` with attention_impl="xla", and the reference of
+`pallas_kernels.vision_attention`): the same softmax with scale = d^-1/2 and mask
+seg_i = seg_j only (not causal).
 """
 from __future__ import annotations
 
@@ -54,8 +55,8 @@ def block_diagonal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_i
   """softmax(q·kᵀ/√d + mask)·v over one packed sequence; patch i sees j iff same segment.
 
   q, k, v: [N, heads, head_dim]; segment_ids [N]. Materialises the [heads, N, N] logits:
-  fine for the item sizes of training batches on CPU/one chip; a segment-aware flash kernel
-  is the way to 16K-patch items.
+  fine for the item sizes of training batches on CPU/one chip; the flash kernel
+  `pallas_kernels.vision_attention` is the way to 16K-patch items.
   """
   scale = q.shape[-1] ** -0.5
   logits = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
