@@ -1,10 +1,11 @@
-"""The tiny model with attention_impl/moe_impl = pallas (interpreted) equals the XLA paths."""
+"""The tiny model and vision tower with attention_impl/moe_impl = pallas (interpreted) equal the XLA paths."""
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k25jax.model import attention, config, transformer
+from k25jax.model import attention, config, transformer, vision
 
 
 def _close(actual, expected, rtol):
@@ -67,3 +68,30 @@ def test_pallas_decode_equals_xla(params):
           for cfg in (PALLAS, XLA)]
   _close(outs[0][0], outs[1][0], 1e-5)
   _close(outs[0][1]["max_logits"], outs[1][1]["max_logits"], 1e-5)
+
+
+VISION = config.VisionConfig(pos_emb_height=6, pos_emb_width=6, num_attention_heads=2, num_hidden_layers=2,
+                             hidden_size=16, intermediate_size=24, attention_impl="xla")
+GRIDS = ((1, 4, 6), (2, 2, 4), (1, 2, 2))   # an image, a 2-frame chunk, a small image: 44 patches, 9 merged
+
+
+def test_vision_auto_is_xla_on_cpu():
+  assert attention.attention_impl(VISION.replace(attention_impl="auto")) == (
+      "xla" if jax.default_backend() == "cpu" else "pallas")
+
+
+def test_vision_tower_pallas_features_and_gradients_equal_xla():
+  layout = vision.patch_layout(GRIDS, VISION, num_patches=48, num_merged=12)     # 4 padding patches
+  pixels = jax.random.normal(jax.random.PRNGKey(0), (48, 3, 14, 14))
+  params = nn.meta.unbox(vision.MoonViT3D(VISION).init(jax.random.PRNGKey(1), pixels, layout)["params"])
+
+  def loss(cfg):
+    def fn(p):
+      merged = vision.MoonViT3D(cfg).apply({"params": p}, pixels, layout)
+      return jnp.sum(jnp.sin(merged)), merged
+    return jax.jit(jax.value_and_grad(fn, has_aux=True))
+
+  (_, merged), grads = loss(VISION.replace(attention_impl="pallas"))(params)
+  (_, ref_merged), ref_grads = loss(VISION)(params)
+  _close(merged, ref_merged, 1e-5)
+  jax.tree.map(lambda g, r: _close(g, r, 1e-5), grads, ref_grads)

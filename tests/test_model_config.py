@@ -59,3 +59,15 @@ def test_hf_dict_round_trip_keeps_every_field():
   cfg = config.preset("k25")
   again = config.ModelConfig.from_hf_dict(cfg.to_hf_dict(), dtype=cfg.dtype, param_dtype=cfg.param_dtype)
   assert again == cfg
+
+
+def test_vision_attention_impl_is_ours_and_checked():
+  """Not a Hugging Face field: left out of vision_config, set by the caller of from_hf_dict (for
+  the decoder and the vision tower alike), and a bad value names the field."""
+  cfg = config.k25_preset("tiny")
+  hf_dict = cfg.to_hf_dict()
+  assert "attention_impl" not in hf_dict["vision_config"]
+  again = config.K25Config.from_hf_dict(hf_dict, attention_impl="pallas")
+  assert (again.text.attention_impl, again.vision.attention_impl) == ("pallas", "pallas")
+  with pytest.raises(ValueError, match="VisionConfig.attention_impl"):
+    cfg.vision.replace(attention_impl="flash")

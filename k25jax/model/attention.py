@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from k25jax.model import rope
-from k25jax.model.config import ModelConfig, yarn_attention_mscale
+from k25jax.model.config import ModelConfig, VisionConfig, yarn_attention_mscale
 from k25jax.model.layers import Linear, RMSNorm, dtype_of
 from k25jax.ops.attention import causal_attention
 
@@ -40,8 +40,9 @@ def softmax_scale(cfg: ModelConfig) -> float:
   return cfg.qk_head_dim ** -0.5 * yarn_attention_mscale(cfg) ** 2
 
 
-def attention_impl(cfg: ModelConfig) -> str:
-  """"xla" | "pallas" for `cfg.attention_impl` ("auto": Pallas when compiled for TPU/GPU, XLA on CPU)."""
+def attention_impl(cfg: ModelConfig | VisionConfig) -> str:
+  """"xla" | "pallas" for `cfg.attention_impl` ("auto": Pallas when compiled for TPU/GPU, XLA on CPU),
+  the decoder's or the vision tower's."""
   if cfg.attention_impl == "auto":
     return "pallas" if jax.default_backend() in ("tpu", "gpu") else "xla"
   return cfg.attention_impl

@@ -270,7 +270,7 @@ def yarn_attention_mscale(cfg: ModelConfig) -> float:
 
 
 # ============================================================== K2.5 multimodal
-VISION_OURS = ("dtype", "param_dtype")
+VISION_OURS = ("attention_impl", "dtype", "param_dtype")
 # Released-checkpoint (`vt_*`) spellings of the vision_config fields → ours (transformers' names).
 RELEASED_VISION_NAMES = {
     "vt_hidden_size": "hidden_size", "vt_num_hidden_layers": "num_hidden_layers",
@@ -307,6 +307,7 @@ class VisionConfig:
   rope_theta: float = 10000.0
   initializer_range: float = 0.02
   # --- ours
+  attention_impl: str = "auto"      # xla | pallas | auto (Pallas when compiled for TPU/GPU, else XLA)
   dtype: str = "float32"
   param_dtype: str = "float32"
 
@@ -333,7 +334,9 @@ class VisionConfig:
       raise ValueError(f"VisionConfig.merge_kernel_size must be two positive ints, got {self.merge_kernel_size}")
     if self.hidden_act != "gelu_pytorch_tanh":
       raise ValueError(f"VisionConfig.hidden_act: only 'gelu_pytorch_tanh' is supported, got {self.hidden_act!r}")
-    for name in VISION_OURS:
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"VisionConfig.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+    for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"VisionConfig.{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
 
@@ -433,7 +436,8 @@ class K25Config:
     """From a K2.5 `config.json`: transformers' layout or the released one (`vt_*` vision names,
     `media_placeholder_token_id`, `mm_hidden_size`/`projector_ln_eps`).
 
-    ours: ModelConfig fields of ours; `dtype`/`param_dtype` apply to the vision tower too.
+    ours: ModelConfig fields of ours; `attention_impl`/`dtype`/`param_dtype` apply to the
+    vision tower too.
     """
     if "vision_config" not in hf or "text_config" not in hf:
       raise ValueError("a K2.5 config.json needs both 'text_config' and 'vision_config'")

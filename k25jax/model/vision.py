@@ -20,6 +20,10 @@ a static grid tuple (the layout is built while tracing: one compilation per dist
 tuple) or a `PatchLayout` passed as jit arguments, padded to fixed sizes with
 `patch_layout(..., num_patches=, num_merged=)`: then one compilation serves every batch whose
 media fit the budget. Training should bucket media sizes one of these two ways.
+
+The attention runs as `k25jax.ops.attention.block_diagonal_attention` (XLA, the [heads, N, N]
+logits materialised) or `pallas_kernels.vision_attention` (flash, segment-aware: what a
+16K-patch image needs), chosen by `VisionConfig.attention_impl`.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k25jax.model import rope
+from k25jax.model.attention import attention_impl
 from k25jax.model.config import VisionConfig
 from k25jax.model.layers import Linear, dtype_of
 from k25jax.ops.attention import block_diagonal_attention
@@ -264,7 +269,11 @@ class VisionBlock(nn.Module):
                  name="wqkv", **kw)(LayerNorm(d, name="norm0", **norm)(x))
     q = rope.rotate_adjacent_pairs(qkv[:, 0], angles)
     k = rope.rotate_adjacent_pairs(qkv[:, 1], angles)
-    attn = block_diagonal_attention(q, k, qkv[:, 2], segment_ids)
+    if attention_impl(cfg) == "pallas":
+      from pallas_kernels import vision_attention  # loaded only when chosen
+      attn = vision_attention.flash_attention(q, k, qkv[:, 2], segment_ids)
+    else:
+      attn = block_diagonal_attention(q, k, qkv[:, 2], segment_ids)
     x = x + Linear((heads, head_dim), d, ("vit_heads", "vit_head_dim", "vit_embed"), name="wo", **kw)(attn)
     h = LayerNorm(d, name="norm1", **norm)(x)
     mlp = VisionMLP(cfg, name="mlp")
