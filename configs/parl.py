@@ -16,7 +16,7 @@ import ml_collections
 
 from configs import common
 
-DSL_VOCAB_SIZE = 90   # the wide-search DSL's tokens (`k25jax.agents.dsl.VOCAB_SIZE`)
+DSL_VOCAB_SIZE = 91   # the wide-search DSL's tokens (`k25jax.agents.dsl.VOCAB_SIZE`)
 TINY_MODEL = dict(vocab_size=DSL_VOCAB_SIZE, hidden_size=96, intermediate_size=256, moe_intermediate_size=96,
                   num_hidden_layers=3, num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2,
                   q_lora_rank=48, kv_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
@@ -38,10 +38,10 @@ def get_config(arg=None):
   # a split episode with no loss on the choice to split (`widesearch.demonstrations`). They span budgets 3-16, so the
   # single agent can be measured beyond RL's budgets (experiments/swarm_latency.py).
   c.warm_start = ml_collections.ConfigDict(dict(
-      demonstrations=6000, steps=600, batch=32, seed=0, pack=True, log_every=50,
+      demonstrations=6000, steps=300, batch=32, seed=0, pack=True, log_every=50,
       checkpoint_every=500, router_bias_rate=1e-3, max_consecutive_skipped=10,
       delegation_share=0.07, subagent_rows=2, capability_share=0.5, budget_range=(3, 16),
-      optimizer=common.optimizer_section(3e-3, 40, 200)))
+      optimizer=common.optimizer_section(3e-3, 40, 100)))
 
   c.parl = ml_collections.ConfigDict(dict(
       budget_range=(3, 10),        # CriticalSteps budget, drawn per task and shown to the orchestrator

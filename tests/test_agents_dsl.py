@@ -5,9 +5,9 @@ from k25jax.agents import dsl
 
 
 def test_vocabulary_size_and_special_ids():
-  assert dsl.VOCAB_SIZE == len(set(dsl.VOCAB)) == 90
+  assert dsl.VOCAB_SIZE == len(set(dsl.VOCAB)) == 91
   assert dsl.PAD_ID == 0 and dsl.VOCAB[dsl.EOT_ID] == "|"
-  assert dsl.ALL_ID == 89 and dsl.token_name(dsl.ALL_ID) == "all"   # appended: earlier ids unchanged
+  assert (dsl.ALL_ID, dsl.NEXT_ID) == (89, 90) and dsl.decode([89, 90]) == "all next"   # appended: ids kept
   assert dsl.token_name(dsl.ORCH_ID) == "orch" and dsl.token_name(dsl.SUB_ID) == "sub"
   assert [dsl.token_name(t) for t in sorted(dsl.TOOL_IDS)] == ["create", "assign", "search", "answer"]
 
@@ -36,11 +36,11 @@ def test_encode_decode_round_trip():
   assert dsl.decode(ids) == text
   assert ids[:3] == [dsl.ORCH_ID, dsl.budget_id(4), dsl.ATTRIBUTE.id(2)]
   tok = dsl.DSLTokenizer()
-  assert tok.decode(tok.encode(" obs  E1\tV3 |")) == "obs E1 V3 |" and tok.vocab_size == 90
+  assert tok.decode(tok.encode(" obs  E1\tV3 |")) == "obs E1 V3 |" and tok.vocab_size == 91
 
 
 def test_unknown_tokens_raise():
   with pytest.raises(ValueError, match="E32"):
     dsl.encode("search A0 E32")
   with pytest.raises(ValueError):
-    dsl.decode([90])
+    dsl.decode([91])

@@ -81,7 +81,7 @@ def test_assign_all_splits_what_the_orchestrator_has_not_observed_and_answer_all
   prompts = [dsl.decode(r.context) for r in episode.requests()]    # 4 left after E1's own lookup
   assert prompts == [f"sub searcher {a} {e[0]} |", f"sub searcher {a} {e[2]} |", f"sub searcher {a} {e[3]} |",
                      f"sub searcher {a} {e[4]} |"]
-  assert episode.errors["orch"] == {"empty_share": 1}                 # S5's share was empty: it stays idle
+  assert episode.errors["orch"] == {"nothing_left": 1}                 # S5's share was empty: it stays idle
   for request in episode.requests():
     entity = dsl.decode(request.context).split()[3]
     _submit(episode, request.agent, f"search {a} {entity} |")
@@ -90,6 +90,22 @@ def test_assign_all_splits_what_the_orchestrator_has_not_observed_and_answer_all
   result = episode.result()
   assert result.score.success and set(result.prediction) == set(task.gold)
   assert (result.num_created, result.num_assigned, result.num_finished, result.num_idle) == (5, 4, 4, 1)
+
+
+def test_search_next_looks_up_what_its_agent_still_needs_in_order():
+  task = ws.make_task(6, kind="wide", n=3, budget=10)
+  a = dsl.ATTRIBUTE.name(task.attribute)
+  episode = ws.Episode(task)
+  _submit(episode, "main", f"search {a} {dsl.ENTITY.name(task.entities[1])} |")     # out of order, by name
+  for _ in range(3):
+    _submit(episode, "main", f"search {a} next |")
+  observed = [row for row in tools.read_context(episode.orchestrator.tokens).found]
+  assert observed == [task.gold[1], task.gold[0], task.gold[2]]
+  assert episode.errors["orch"] == {"nothing_left": 1}                  # the third `next` had nothing left
+  deep = ws.make_task(3, kind="deep", hops=4, budget=12)
+  result = ws.run_episode(deep, lambda c: dsl.encode(f"search {dsl.ATTRIBUTE.name(deep.attribute)} next |")
+                          if ws.remaining(tools.read_context(c)) else dsl.encode("answer all |"))
+  assert result.prediction == deep.gold and result.critical_steps == 5   # `next` follows the chain
 
 
 def test_assign_all_on_a_chain_continues_from_the_last_value_observed():

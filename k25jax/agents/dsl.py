@@ -1,4 +1,4 @@
-"""The PARL token DSL: a 90-token vocabulary for the tiny wide-search swarm, and its tokenizer.
+"""The PARL token DSL: a 91-token vocabulary for the tiny wide-search swarm, and its tokenizer.
 
 Every agent (the orchestrator or a sub-agent) sees ONE context: a sequence of blocks,
 each closed by the end-of-turn token `|`. The environment writes the prompt and the
@@ -17,9 +17,10 @@ observations, the model writes the turns (the only tokens under the loss):
     SYSTEM  searcher | follower   a sub-agent's system prompt, chosen by the orchestrator's `create`
     ATTRIBUTE  A0..A3                ENTITY  E0..E31       VALUE  V0..V15
     TOOL       create | assign | search | answer           AGENT  S1..S8 (sub-agent names)
-    all                  a reference instead of a list: in `assign A S1 .. Sk all` the lookups
-                         the task still needs, split over the agents; in `answer all` every
-                         cell the agent has observed (`tools.py`)
+    all | next           references instead of spelling entities out: `assign A S1 .. Sk all`
+                         splits the lookups the task still needs over the agents, `search A
+                         next` makes the first of them, `answer all` answers every cell the
+                         agent has observed (`tools.py`)
 
 The orchestrator's prompt names neither its task's kind nor a sub-agent role: it says
 what to find and how many critical steps it may take; whether to split is its call.
@@ -36,7 +37,7 @@ Readable text is the tokens joined by single spaces, e.g.
     obs E1 V3 E5 V9 E7 V0 | answer E1 V3 E5 V9 E7 V0 |
 
 or, with references, `create searcher S1 S2 assign A2 S1 S2 all |` (S1 gets E1 E5, S2
-gets E7) and `answer all |`.
+gets E7), `search A2 next |` and `answer all |`.
 
 Token families with an index (entities, attributes, values, agents, budgets) are `Family`
 objects: `ENTITY.id(5)` is the id of `E5`, `ENTITY.index(id)` goes back, and
@@ -53,7 +54,7 @@ SYSTEM_PROMPTS = ("searcher", "follower")
 TOOLS = ("create", "assign", "search", "answer")
 OBS, ERR, STOP = "obs", "err", "stop"
 CHAIN = "chain"
-ALL = "all"
+ALL, NEXT = "all", "next"
 
 NUM_AGENTS = 8
 NUM_ENTITIES = 32
@@ -103,8 +104,9 @@ ATTRIBUTE = Family("A", ENTITY.start + ENTITY.size, NUM_ATTRIBUTES)
 VALUE = Family("V", ATTRIBUTE.start + ATTRIBUTE.size, NUM_VALUES)
 BUDGET = Family("B", VALUE.start + VALUE.size, MAX_BUDGET - MIN_BUDGET + 1, offset=MIN_BUDGET)
 
-# `all` came after the families: appended, so the ids of the earlier tokens stay as they were.
-VOCAB: tuple[str, ...] = (*_FIXED, *AGENT.names, *ENTITY.names, *ATTRIBUTE.names, *VALUE.names, *BUDGET.names, ALL)
+# The references came after the families: appended, so the ids of the earlier tokens stay as they were.
+VOCAB: tuple[str, ...] = (*_FIXED, *AGENT.names, *ENTITY.names, *ATTRIBUTE.names, *VALUE.names, *BUDGET.names,
+                          ALL, NEXT)
 VOCAB_SIZE = len(VOCAB)
 TOKEN_ID: dict[str, int] = {token: i for i, token in enumerate(VOCAB)}
 
@@ -112,7 +114,7 @@ PAD_ID, EOT_ID = TOKEN_ID[PAD], TOKEN_ID[EOT]
 ORCH_ID, SUB_ID = (TOKEN_ID[r] for r in ROLES)
 SEARCHER_ID, FOLLOWER_ID = (TOKEN_ID[s] for s in SYSTEM_PROMPTS)
 CREATE_ID, ASSIGN_ID, SEARCH_ID, ANSWER_ID = (TOKEN_ID[t] for t in TOOLS)
-OBS_ID, ERR_ID, STOP_ID, CHAIN_ID, ALL_ID = (TOKEN_ID[t] for t in (OBS, ERR, STOP, CHAIN, ALL))
+OBS_ID, ERR_ID, STOP_ID, CHAIN_ID, ALL_ID, NEXT_ID = (TOKEN_ID[t] for t in (OBS, ERR, STOP, CHAIN, ALL, NEXT))
 ROLE_IDS = frozenset(TOKEN_ID[r] for r in ROLES)
 SYSTEM_IDS = frozenset(TOKEN_ID[s] for s in SYSTEM_PROMPTS)
 TOOL_IDS = frozenset(TOKEN_ID[t] for t in TOOLS)

@@ -13,23 +13,26 @@ orchestrator's parallel calls in one step, written compactly):
              | assign ATTRIBUTE AGENT+ all    the same, each AGENT's prompt its share of the
                                               lookups the task still needs (below)
              | search ATTRIBUTE ENTITY        search(ENTITY, ATTRIBUTE): one table lookup
+             | search ATTRIBUTE next          the same, of the first lookup the task still needs
              | answer (ENTITY VALUE)*         answer(rows): ends the agent's episode
              | answer all                     answer(every cell the agent has observed)
 
 e.g. `create searcher S1 S2 assign A2 S1 E1 E5 S2 E7 |` is four calls: two
 create_subagent, then assign_task(S1, A2 E1 E5) and assign_task(S2, A2 E7).
 
-`all` refers to lists instead of spelling them (`AssignShare`, `Answer.found`). The
-lookups a task still needs are the environment's to say (`widesearch.remaining`, from
-what the orchestrator has observed): a wide task's entities without a value yet, in the
-prompt's order; a chain's next entity. `assign A S1 .. Sk all` gives agent i the i-th
-of k contiguous near-equal chunks of them (`np.array_split`); an agent whose chunk is
-empty gets nothing (`empty_share`). `answer all` answers every cell the agent observed,
-first sighting per entity, in order. With references a tiny model can orchestrate
-without copying long lists: the 3-layer, d=96 PARL model after 1000 SFT steps copied
-about 10 rows reliably, and scored Item-F1 0.37 on 16–24-entity tasks after a perfect
-scripted split whose hand-back it had only to transcribe, so explicit lists measured its
-copying, not its orchestration.
+`all` and `next` refer to entities instead of spelling them (`AssignShare`, `SearchNext`,
+`Answer.found`). The lookups a task still needs are the environment's to say
+(`widesearch.remaining`, from what the calling agent has observed): a wide task's
+entities without a value yet, in the prompt's order; a chain's next entity. `assign A
+S1 .. Sk all` gives agent i the i-th of k contiguous near-equal chunks of them
+(`np.array_split`), `search A next` looks up the first, `answer all` answers every cell
+the agent observed (first sighting per entity, in order); a reference to lookups when
+none are left is a `nothing_left` error. So a tiny model can act without copying lists:
+the 3-layer, d=96 PARL model after 1000 SFT steps copied about 10 rows reliably (Item-F1
+0.37 on 16–24-entity tasks after a perfect scripted split whose hand-back it had only to
+transcribe), and whether it learned to step through its prompt's entities in 600 steps
+varied with the seed (Item-F1 0.26 instead of 0.61 on wide tasks, alone, at one seed);
+explicit lists measured its copying, not its orchestration.
 
 Rules of a turn (checked in order, each violation a `ToolError` in place of the call):
 the orchestrator (`orch`) may use every tool, a sub-agent (`sub`) only `search` and
@@ -69,7 +72,7 @@ ERROR_CODES = (
     "extra_search",     # more than one search in one turn
     "with_answer",      # a call in the same turn as an answer (dropped)
     "budget",           # an assign_task when no sub-agent step is left in the budget (environment)
-    "empty_share",      # an `assign .. all` share with nothing in it: more agents than lookups left (environment)
+    "nothing_left",     # `assign .. all` / `search .. next` when no lookup is left for it (environment)
     "no_answer",        # the budget forced an answer and the turn did not give one (environment)
 )
 ROLE_TOOLS = {"orch": frozenset(dsl.TOOLS), "sub": frozenset({"search", "answer"})}
@@ -116,6 +119,14 @@ class Search:
 
 
 @dataclasses.dataclass(frozen=True)
+class SearchNext:
+  """search(the first lookup the task still needs, attribute), resolved by the environment."""
+
+  attribute: int
+  tool: ClassVar[str] = "search"
+
+
+@dataclasses.dataclass(frozen=True)
 class Answer:
   """answer(rows): `rows` are (entity, value) index pairs, in the order written; with
   `found` (`answer all`) the rows are every cell the agent has observed instead."""
@@ -140,7 +151,7 @@ class ToolError:
       raise ValueError(f"unknown tool error code {self.code!r}; codes: {ERROR_CODES}")
 
 
-ToolCall = Union[CreateSubagent, AssignTask, AssignShare, Search, Answer]
+ToolCall = Union[CreateSubagent, AssignTask, AssignShare, Search, SearchNext, Answer]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,6 +257,8 @@ def _parse_assign(args: list[int]):
 
 
 def _parse_search(args: list[int]):
+  if len(args) == 2 and args[1] == dsl.NEXT_ID and _kind(args[0]) == "attribute":
+    return [SearchNext(dsl.ATTRIBUTE.index(args[0]))]
   problem = _check_fixed(args, ("attribute", "entity"))
   if problem:
     return problem
@@ -314,7 +327,7 @@ def _apply_turn_rules(calls: list, known_agents: Iterable[int]) -> list[ToolCall
         call = ToolError("busy", "assign", f"agent {name} already has a task this turn")
       else:
         assigned.add(call.agent)
-    elif isinstance(call, Search):
+    elif isinstance(call, (Search, SearchNext)):
       if searched:
         call = ToolError("extra_search", "search", "one search per turn")
       searched = True
@@ -415,6 +428,8 @@ def render_turn(calls: Iterable[ToolCall]) -> list[int]:
         tokens.append(dsl.ALL_ID)
     elif isinstance(call, Search):
       tokens += [dsl.SEARCH_ID, dsl.ATTRIBUTE.id(call.attribute), dsl.ENTITY.id(call.entity)]
+    elif isinstance(call, SearchNext):
+      tokens += [dsl.SEARCH_ID, dsl.ATTRIBUTE.id(call.attribute), dsl.NEXT_ID]
     elif isinstance(call, Answer) and call.found:
       tokens += [dsl.ANSWER_ID, dsl.ALL_ID]
     elif isinstance(call, Answer):

@@ -153,8 +153,9 @@ class Episode:
   Every sub-agent assignment is a fresh context `sub SYSTEM A E.. |` (the system prompt
   its name was created with); the orchestrator observes the rows each sub-agent answered,
   in assignment order, then its own search result, then its errors. An `assign .. all`
-  splits the lookups the orchestrator's observations so far leave (`remaining`); an
-  `answer all` answers the cells its agent has observed.
+  splits the lookups the orchestrator's observations so far leave (`remaining`), a
+  `search .. next` makes the first lookup its agent's leave, an `answer all` answers the
+  cells its agent has observed.
   """
 
   def __init__(self, task: Task, *, budget: int | None = None, max_subagent_steps: int | None = None):
@@ -250,14 +251,24 @@ class Episode:
         if share:
           self._start_subagent(tools.AssignTask(call.agent, call.attribute, share))
         else:
-          self._main_errors.append(self._error("orch", "empty_share", "assign",
+          self._main_errors.append(self._error("orch", "nothing_left", "assign",
                                                f"{dsl.AGENT.name(call.agent)}'s share of the remaining lookups is empty"))
       elif isinstance(call, tools.AssignTask):
         self._start_subagent(call)
-      elif isinstance(call, tools.Search):
-        self._main_rows.append((call.entity, self.task.lookup(call.entity, call.attribute)))
+      elif isinstance(call, (tools.Search, tools.SearchNext)):
+        self._main_rows += self._lookup(call, needed, "orch", self._main_errors)
     if not self._runs:
       self._close_stage()
+
+  def _lookup(self, call, needed: tuple[int, ...], role: str, errors: list) -> list[tuple[int, int]]:
+    """A search's found cell [(entity, value)]: its entity's, or (`search .. next`) the first
+    of the lookups its agent still needs; none (and a `nothing_left` error) if none is left."""
+    if isinstance(call, tools.Search):
+      return [(call.entity, self.task.lookup(call.entity, call.attribute))]
+    if not needed:
+      errors.append(self._error(role, "nothing_left", "search", "no lookup is left to search next"))
+      return []
+    return [(needed[0], self.task.lookup(needed[0], call.attribute))]
 
   def _start_subagent(self, call: tools.AssignTask) -> None:
     allowance = self.budget - self.used_steps - 2
@@ -285,10 +296,11 @@ class Episode:
       run.done = True
     else:
       run.steps += 1
-      rows = [(c.entity, self.task.lookup(c.entity, c.attribute))
-              for c in parsed.valid if isinstance(c, tools.Search)]
+      errors, needed = list(parsed.errors), remaining(view)
+      rows = [row for c in parsed.valid if isinstance(c, (tools.Search, tools.SearchNext))
+              for row in self._lookup(c, needed, "sub", errors)]
       run.forced = run.steps >= run.allowance
-      run.transcript.add(tools.format_observation(rows, parsed.errors, stop=run.forced), generated=False)
+      run.transcript.add(tools.format_observation(rows, errors, stop=run.forced), generated=False)
     if all(r.done for r in self._runs.values()):
       self._close_stage()
 

@@ -18,10 +18,9 @@ Policy = Callable[[Sequence[int]], list[int]]
 
 
 def _solo_call(view: tools.ContextView) -> tools.ToolCall:
-  """Search the next needed cell (`remaining`), or, when done or stopped, `answer all`."""
-  needed = remaining(view)
-  if needed and not view.stopped:
-    return tools.Search(needed[0], view.attribute)
+  """`search A next` while a lookup is needed (`remaining`), then (or when stopped) `answer all`."""
+  if remaining(view) and not view.stopped:
+    return tools.SearchNext(view.attribute)
   return tools.Answer((), found=True)
 
 
