@@ -307,7 +307,7 @@ class VisionConfig:
   rope_theta: float = 10000.0
   initializer_range: float = 0.02
   # --- ours
-  attention_impl: str = "auto"      # xla | pallas | auto (Pallas when compiled for TPU/GPU, else XLA)
+  attention_impl: str = "xla"       # xla | pallas | auto (Pallas when compiled for TPU/GPU, else XLA), as the decoder
   dtype: str = "float32"
   param_dtype: str = "float32"
 
