@@ -7,7 +7,9 @@ budget of 3–10 drawn per task and shown in the prompt) and a ~250k-param K2 de
 CPU: a built-in SFT warm start on scripted demonstrations (the orchestrator's solve tasks
 alone, so it starts in serial collapse; the sub-agents' are complete), then RL of the
 orchestrator with the K2.5 loss; ends with a summary table by task width (trained swarm,
-warm start, single agent on held-out tasks). About 15 minutes on 2 cores.
+warm start, single agent on held-out tasks). Agents name lookups by reference (`assign A
+S1 .. Sk all`, `search A next`, `answer all`: `k25jax/agents/tools.py`), so a model this
+small orchestrates without copying entity lists. About 15 minutes on 2 cores.
 
 Run length: `train.steps` RL iterations (`rl.prompts_per_iteration` tasks ×
 `rl.num_generations` episodes, then `rl.minibatches` updates).
@@ -35,11 +37,12 @@ def get_config(arg=None):
   # Its orchestrator demonstrations solve tasks alone; `delegation_share` of them open by
   # splitting the task over a random number of sub-agents (shown, not preferred). Each
   # episode adds `subagent_rows` sub-agent demonstrations, and `capability_share` of them
-  # a split episode with no loss on the choice to split (`widesearch.demonstrations`). They span budgets 3-16, so the
-  # single agent can be measured beyond RL's budgets (experiments/swarm_latency.py).
+  # a split episode with no loss on the choice to split (`widesearch.demonstrations`). They
+  # span budgets 3-16, so the single agent can be measured beyond RL's budgets
+  # (experiments/swarm_latency.py).
   c.warm_start = ml_collections.ConfigDict(dict(
       demonstrations=6000, steps=300, batch=32, seed=0, pack=True, log_every=50,
-      checkpoint_every=500, router_bias_rate=1e-3, max_consecutive_skipped=10,
+      checkpoint_every=150, router_bias_rate=1e-3, max_consecutive_skipped=10,
       delegation_share=0.07, subagent_rows=2, capability_share=0.5, budget_range=(3, 16),
       optimizer=common.optimizer_section(3e-3, 40, 100)))
 
@@ -49,7 +52,7 @@ def get_config(arg=None):
       hops_range=(4, 10),          # rows of a deep chain
       deep_fraction=0.25,          # share of deep (sequential) tasks, where spawning cannot help
       lambda1=0.1, lambda2=0.1,    # weights of r_parallel and r_finish, annealed to 0
-      anneal_steps=60, anneal_kind="linear",
+      anneal_steps=40, anneal_kind="linear",
       parallel_cap=2,              # r_parallel = min(#sub-agents, cap) / cap: near-binary
       subagent_checkpoint="",      # frozen sub-agents' checkpoint ('' = the orchestrator's start)
       orchestrator_turn_tokens=24, subagent_turn_tokens=8,
@@ -61,6 +64,6 @@ def get_config(arg=None):
   c.optimizer = common.optimizer_section(3e-4, 5, 0)
   c.mesh = common.mesh_section()
   c.train = ml_collections.ConfigDict(dict(
-      steps=120, log_every=10, eval_every=20, checkpoint_every=40, keep_checkpoints=2, seed=0, router_bias_rate=1e-3,
+      steps=80, log_every=10, eval_every=20, checkpoint_every=40, keep_checkpoints=2, seed=0, router_bias_rate=1e-3,
       max_consecutive_skipped=10))
   return c
