@@ -52,6 +52,7 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
+import interleave  # noqa: E402  (experiments/interleave.py, beside this script)
 from k25jax.agents import dsl, widesearch  # noqa: E402
 from k25jax.model import transformer  # noqa: E402
 from k25jax.stages import parl  # noqa: E402
@@ -88,12 +89,14 @@ def measure_scripted(tasks, k: int) -> dict:
 
 
 def measure(config, model_cfg, orch, sub, tasks, *, solo: bool) -> dict:
-  """A model point, played greedily: the second of two identical runs (the first compiles)."""
+  """A model point, played greedily: the second of two identical runs (the first compiles),
+  with the cores other processes used while it was timed (`other_cores`)."""
   play = lambda: parl.play(config, model_cfg, orch, sub, tasks, greedy=True, solo=solo)
   play()
-  results, runtime, wall = play()
+  with interleave.LoadMeter() as load:
+    results, runtime, wall = play()
   return _point(results, wall, device_calls=float(sum(runtime.device_calls.values())),
-                overflows=int(runtime.overflows))
+                overflows=int(runtime.overflows), other_cores=load.other_cores)
 
 
 def sweep(measure_fn, policies, widths, budgets, tasks_of, training_budgets, log=print) -> dict[str, list[dict]]:
@@ -228,6 +231,34 @@ def plot(curves: dict, table: list[dict], targets, widths, path: str, title: str
   plt.close(fig)
 
 
+def seed_summary(paths: list[str], pair: str = "single / swarm") -> dict:
+  """Per target and width, the critical-step speedup `pair` of each saved sweep (one per
+  trained seed) and their mean over the sweeps that reached the target (NaN: none did),
+  with the largest load any sweep's timed plays ran beside."""
+  sweeps = []
+  for path in paths:
+    with open(path) as f:
+      sweeps.append(json.load(f))
+  rows = []
+  for i, row in enumerate(sweeps[0]["targets"]):
+    values = [s["targets"][i]["speedup"][pair]["steps"] for s in sweeps]
+    reached = [v for v in values if math.isfinite(v)]
+    rows.append({"target": row["target"], "width": row["width"], "speedups": values,
+                 "mean": float(np.mean(reached)) if reached else float("nan"), "reached": len(reached)})
+  loads = [p.get("other_cores", 0.0) for s in sweeps for points in s["curves"].values() for p in points]
+  return {"sweeps": paths, "workdirs": [s["workdir"] for s in sweeps], "pair": pair, "rows": rows,
+          "max_other_cores": float(np.nanmax(loads)) if loads else float("nan")}
+
+
+def print_seed_summary(summary: dict, log=print) -> None:
+  log(f"critical-step speedup {summary['pair']} to reach each target Item-F1, per trained seed "
+      f"({len(summary['sweeps'])} sweeps: {', '.join(map(str, summary['workdirs']))}); mean over the seeds that reached it")
+  log(f"{'target':>6s} {'W':>3s} {'per seed':>24s} {'mean':>6s}")
+  for r in summary["rows"]:
+    per_seed = " ".join(f"{v:6.2f}" if math.isfinite(v) else "     -" for v in r["speedups"])
+    log(f"{r['target']:6.2f} {r['width']:3d} {per_seed:>24s} {r['mean']:6.2f}")
+
+
 def model_measure(config, workdir: str, policies: list[str]):
   """measure_fn(policy, tasks) for the model policies (and the scripted ones), and each
   policy's training budget range."""
@@ -268,7 +299,17 @@ def main(argv=None):
   parser.add_argument("--scripted", action="store_true", help="also the scripted single agent and swarm")
   parser.add_argument("--set", action="append", default=[], help="section.field=value config override")
   parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "swarm_latency"))
+  parser.add_argument("--summarize", default=None,
+                      help="comma-separated saved sweeps (one per trained seed): print and write (to --out) "
+                           "their speedups side by side instead of measuring")
+  parser.add_argument("--pair", default="single / swarm", help="with --summarize: the speedup to summarize")
   args = parser.parse_args(argv)
+  if args.summarize:
+    summary = seed_summary(args.summarize.split(","), args.pair)
+    print_seed_summary(summary)
+    with open(args.out + ".json", "w") as f:
+      json.dump(summary, f, indent=1)
+    return summary
   if not args.workdir and not args.scripted:
     parser.error("--workdir is required (or --scripted for the references alone)")
 
@@ -293,7 +334,11 @@ def main(argv=None):
   table = target_table(curves, targets, widths)
   print_tables(table, curves)
   elapsed = time.perf_counter() - start
-  print(f"elapsed {elapsed:.0f} s")
+  loads = [p["other_cores"] for points in curves.values() for p in points if "other_cores" in p]
+  max_load = max(loads, default=0.0)
+  print(f"elapsed {elapsed:.0f} s; other processes used up to {max_load:.2f} cores while a play was timed"
+        + (f" (more than {interleave.MAX_LOAD}: the wall times measure the load, cite only critical steps)"
+           if max_load > interleave.MAX_LOAD else ""))
 
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   source = os.path.abspath(args.workdir) if args.workdir else "scripted references"
@@ -306,6 +351,7 @@ def main(argv=None):
                "widths": widths, "budgets": budgets, "targets_f1": targets, "tolerance": TOLERANCE,
                "training_budgets": ranges, "policies": policies, "curves": curves, "targets": table,
                "overrides": args.set, "elapsed_s": elapsed, "threads": len(os.sched_getaffinity(0)),
+               "max_other_cores": max_load, "wall_times_loaded": max_load > interleave.MAX_LOAD,
                "jax": jax.__version__}, f, indent=1)
   print(f"wrote {args.out}.json and {args.out}.png")
   return curves, table

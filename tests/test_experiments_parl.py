@@ -188,6 +188,24 @@ def test_latency_scripted_main_writes_json_and_png(tmp_path):
   assert os.path.getsize(out + ".png") > 0
 
 
+def test_latency_seed_summary_puts_the_sweeps_side_by_side(tmp_path):
+  paths = []
+  for i, budgets in enumerate(("2,3,4,9", "3,9")):         # the single agent reaches F1 0.5 at W=8 at B4 / B9
+    out = str(tmp_path / f"latency{i}")
+    swarm_latency.main(["--scripted", "--widths", "8,24", "--budgets", budgets, "--tasks", "1", "--targets", "0.5",
+                        "--out", out])
+    paths.append(out + ".json")
+  pair = "single (scripted) / swarm (scripted)"
+  summary = swarm_latency.main(["--summarize", ",".join(paths), "--pair", pair, "--out", str(tmp_path / "seeds")])
+  assert json.loads((tmp_path / "seeds.json").read_text())["rows"] == summary["rows"]
+  sweeps = [json.loads(open(p).read()) for p in paths]
+  for i, row in enumerate(summary["rows"]):
+    values = [s["targets"][i]["speedup"][pair]["steps"] for s in sweeps]
+    assert row["speedups"] == values and row["mean"] == pytest.approx(sum(values) / 2)
+  assert [r["speedups"] for r in summary["rows"] if r["width"] == 8] == [[4 / 3, 3.0]]   # single: B4 vs B9
+  assert summary["max_other_cores"] == 0.0             # scripted plays time nothing
+
+
 def test_ablation_from_json_resummarizes_and_plots(tmp_path, capsys):
   """A saved result whose runs' raw final rows are scripted summaries: --from_json recomputes the
   final points and the verdict (the scripted swarm spawns on every task, the serial one never)."""
