@@ -6,11 +6,13 @@ import math
 import os
 import sys
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
 
 import parl_ablation  # noqa: E402
+import parl_spawn_payoff  # noqa: E402
 import swarm_latency  # noqa: E402
 
 from k25jax.agents import widesearch  # noqa: E402
@@ -233,3 +235,14 @@ def test_ablation_from_json_resummarizes_and_plots(tmp_path, capsys):
   assert v["annealed_best_final_f1"]["appeared"] is False                    # tied with parallel_only
   assert "verdict (greedy)" in capsys.readouterr().out
   assert (tmp_path / "ablation.png").stat().st_size > 0
+
+
+def test_spawn_payoff_by_hand():
+  # two tasks × 3 samples: task 0 splits once (F1 0.9 vs 0.3, 0.6 alone), task 1 never splits
+  split = np.array([True, False, False, False, False, False])
+  f1 = np.array([0.9, 0.3, 0.6, 0.5, 0.5, 0.5])
+  out = parl_spawn_payoff.payoff(split, f1, samples=3)
+  assert out["share_split"] == pytest.approx(1 / 6) and out["tasks_with_both"] == 1
+  assert out["f1_split"] == pytest.approx(0.9) and out["f1_solo"] == pytest.approx(0.48)
+  assert out["payoff"] == pytest.approx(0.9 - 0.45)
+  assert math.isnan(parl_spawn_payoff.payoff(np.zeros(4, bool), np.ones(4), samples=2)["payoff"])
