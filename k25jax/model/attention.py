@@ -12,7 +12,8 @@ with scale = qk_head_dim^-1/2 · m², m the YaRN mscale (1 without YaRN). The
 largest unmasked s_ij per head (`max_logits`, [heads]) is returned beside the
 output: QK-Clip reads it after each step. The softmax runs as
 `k25jax.ops.attention.causal_attention` (XLA) or `pallas_kernels.mla_attention`
-(`ModelConfig.attention_impl`).
+(`ModelConfig.attention_impl`; under a mesh each device runs the kernel on whole rows of
+its own heads, `k25jax.model.sequence_parallel`).
 
 Decode caches only what kv_a produces — the normed latent c (512) and the rotated
 rope key (64): 576 numbers per token per layer for K2.5 — and absorbs kv_b into
@@ -26,7 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from k25jax.model import rope
+from k25jax.model import rope, sequence_parallel
 from k25jax.model.config import ModelConfig, VisionConfig, yarn_attention_mscale
 from k25jax.model.layers import Linear, RMSNorm, dtype_of
 from k25jax.ops.attention import causal_attention
@@ -105,7 +106,8 @@ class MLA(nn.Module):
     k = nn.with_logical_constraint(k, ("activation_batch", "activation_length", "activation_heads", None))
     if attention_impl(cfg) == "pallas":
       from pallas_kernels import mla_attention  # loaded only when chosen
-      out, max_logits = mla_attention.flash_attention(q, k, v, softmax_scale(cfg), segment_ids)
+      out, max_logits = sequence_parallel.head_split_attention(mla_attention.flash_attention, q, k, v,
+                                                               softmax_scale(cfg), segment_ids)
     else:
       out, max_logits = causal_attention(q, k, v, softmax_scale(cfg), segment_ids)
     out = nn.with_logical_constraint(out, ("activation_batch", "activation_length", "activation_heads", None))
