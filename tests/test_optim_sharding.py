@@ -71,7 +71,7 @@ def test_eight_devices_match_one():
                got_params, ref_params)
   # The Muon matrices and their momenta were really split across the 8 devices.
   experts = got_params["layers_1"]["mlp"]["experts"]["gate_proj"]            # [E=4, d=64, f=32]
-  assert experts.sharding.spec == P("expert", "fsdp", "tensor")
+  assert experts.sharding.spec == P("expert", ("fsdp", "sequence"), "tensor")
   assert experts.addressable_shards[0].data.shape == (2, 32, 16)
   q_b = got_params["layers_1"]["self_attn"]["q_b_proj"]["kernel"]           # [q_lora, H, nope + rope]
   assert q_b.addressable_shards[0].data.shape == (16, 2, 24)

@@ -44,12 +44,13 @@ def test_eight_devices_match_one(reference, layout):
 
   # The params and the optimizer moments are really split across devices.
   experts = state.params["layers_1"]["mlp"]["experts"]["gate_proj"]          # [E=4, d=64, f=32]
-  expected = P("expert", "fsdp", "tensor")
+  expected = P("expert", ("fsdp", "sequence"), "tensor")                     # d over sequence too
   assert experts.sharding.spec == expected
   shard = experts.addressable_shards[0].data.shape
-  assert shard == (4 // layout.get("expert", 1), 64 // layout.get("fsdp", 1), 32 // layout.get("tensor", 1))
+  d_split = layout.get("fsdp", 1) * layout.get("sequence", 1)
+  assert shard == (4 // layout.get("expert", 1), 64 // d_split, 32 // layout.get("tensor", 1))
   embed = state.params["embed_tokens"]["embedding"]                          # [vocab=512, d=64]
-  assert embed.addressable_shards[0].data.shape == (512 // layout.get("tensor", 1), 64 // 2)
+  assert embed.addressable_shards[0].data.shape == (512 // layout.get("tensor", 1), 64 // d_split)
   moments = [x for x in jax.tree.leaves(state.opt_state) if x.shape == experts.shape]
   assert len(moments) == 4 and all(m.sharding.is_equivalent_to(experts.sharding, 3) for m in moments)  # mu, nu of gate/up
 

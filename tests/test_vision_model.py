@@ -174,7 +174,7 @@ def test_vision_params_shard_by_their_logical_axes(params):
   block = specs["vision_tower"]["encoder"]["blocks_0"]
   assert block["wqkv"]["kernel"] == P("fsdp", None, "tensor", None)
   assert block["mlp"]["fc0"]["kernel"] == P("fsdp", "tensor")
-  assert specs["mm_projector"]["proj_2"]["kernel"] == P("tensor", "fsdp")
+  assert specs["mm_projector"]["proj_2"]["kernel"] == P("tensor", ("fsdp", "sequence"))   # the decoder's width
   placed = jax.device_put(params, sharding.logical_to_sharding(k25.abstract_params(CFG), mesh))
   assert placed["vision_tower"]["encoder"]["blocks_0"]["wqkv"]["kernel"].sharding.spec == P("fsdp", None, "tensor", None)
 

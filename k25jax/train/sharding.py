@@ -8,6 +8,8 @@ the batch too), `sequence` (activations split along the sequence) and `tensor`
 Every param and activation carries logical axis names (`nn.with_logical_partitioning`,
 `nn.with_logical_constraint`); `RULES` is the one table mapping them to mesh axes.
 A logical axis listed twice takes the first mesh axis that is still free in that array.
+The decoder's params are split over `sequence` as over `fsdp` (gathered where they are
+used), so a long-context layout does not hold a copy of them per sequence shard.
 """
 from __future__ import annotations
 
@@ -26,13 +28,13 @@ BATCH_AXES = ("data", "fsdp", "expert")
 RULES = (
     # ---- params
     ("vocab", "tensor"),
-    ("embed", "fsdp"),
+    ("embed", ("fsdp", "sequence")),
     ("mlp", "tensor"),
     ("heads", "tensor"),
     ("qk_head_dim", None),
     ("kv_head_dim", None),
-    ("q_lora", "fsdp"),          # q_b / kv_b split on their input (embed is not one of their axes)
-    ("kv_lora", "fsdp"),
+    ("q_lora", ("fsdp", "sequence")),   # q_b / kv_b split on their input (embed is not one of their axes)
+    ("kv_lora", ("fsdp", "sequence")),
     ("exp", "expert"),
     ("moe_mlp", "tensor"),
     ("norm", None),
