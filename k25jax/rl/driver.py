@@ -29,7 +29,7 @@ from absl import logging
 
 from k25jax import losses
 from k25jax.rl import policy_loss
-from k25jax.train import loop, optimizer, sharding
+from k25jax.train import loop, optimizer, sharding, trainer as trainer_lib
 
 
 @dataclasses.dataclass
@@ -61,6 +61,16 @@ def make_optimizer(config: ml_collections.ConfigDict):
   return optimizer.make_optimizer(config.optimizer, config.train.steps * config.rl.minibatches)
 
 
+def update_step(config: ml_collections.ConfigDict, model, tx, *, banned: Sequence[int] = (), batch_specs=None):
+  """The jitted update (state, rows) -> (state, metrics) on a minibatch of loss rows: the policy
+  loss of `loss.name` over groups of rl.num_generations at rl.temperature, `banned` ids outside
+  log π; call under `jax.set_mesh`."""
+  loss_fn = policy_loss.make_loss(model, config.loss, group_size=config.rl.num_generations,
+                                  temperature=config.rl.temperature, banned=banned)
+  return trainer_lib.train_step(model, tx, loss_fn, router_bias_rate=config.train.router_bias_rate,
+                                qk_clip_tau=optimizer.qk_clip_tau(config.optimizer), batch_specs=batch_specs)
+
+
 def _fmt(metrics: dict, keys: Sequence[str] | None) -> str:
   keys = metrics if keys is None else [k for k in keys if k in metrics]
   return "  ".join(f"{k} {metrics[k]:.3f}" for k in keys)
@@ -76,10 +86,7 @@ def train(trainer, state, config: ml_collections.ConfigDict, *, collect: Callabl
   ({"iteration", "split": "train", update and stage metrics}) and per evaluation. The stage
   has `check`ed the config before its setup."""
   rl, schedule = config.rl, config.train
-  loss_fn = policy_loss.make_loss(trainer.model, config.loss, group_size=rl.num_generations,
-                                  temperature=rl.temperature, banned=banned)
-  train_step = trainer.train_step(loss_fn, router_bias_rate=schedule.router_bias_rate,
-                                  qk_clip_tau=optimizer.qk_clip_tau(config.optimizer), batch_specs=batch_specs)
+  train_step = update_step(config, trainer.model, trainer.tx, banned=banned, batch_specs=batch_specs)
   if to_device is None:
     rows_sharding = sharding.batch_sharding(trainer.mesh)
     to_device = lambda rows, rollouts, part: sharding.global_batch(rows, rows_sharding)

@@ -87,6 +87,14 @@ def check_lengths(cfg: ModelConfig, prompt_len: int, sampling: SamplingConfig) -
                      f"context of {cfg.max_position_embeddings} (max_position_embeddings)")
 
 
+def decode_step(model: transformer.Transformer, params, tokens: jax.Array, positions: jax.Array, cache: list[dict]
+                ) -> tuple[jax.Array, list[dict]]:
+  """One new token a row over the latent cache: tokens, positions [b, 1] → (logits [b, vocab]
+  float32, the cache with the tokens' latents written at their positions)."""
+  logits, aux = model.apply({"params": params}, tokens, positions, cache=cache)
+  return logits[:, 0], aux["cache"]
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling"))
 def _generate(params, prompts, prompt_lengths, rng, media=None, *, cfg: ModelConfig, sampling: SamplingConfig):
   model = transformer.Transformer(cfg)
@@ -106,9 +114,8 @@ def _generate(params, prompts, prompt_lengths, rng, media=None, *, cfg: ModelCon
     tokens = tokens.at[:, step].set(token)
     logps = logps.at[:, step].set(jnp.where(done, 0.0, logp))
     done = done | jnp.isin(token, stop)
-    position = (prompt_lengths + step)[:, None]
-    logits, aux = model.apply({"params": params}, token[:, None], position, cache=cache)
-    return step + 1, aux["cache"], logits[:, 0], tokens, logps, done, rng
+    last, cache = decode_step(model, params, token[:, None], (prompt_lengths + step)[:, None], cache)
+    return step + 1, cache, last, tokens, logps, done, rng
 
   def cond(carry):
     step, *_, done, _ = carry

@@ -48,6 +48,15 @@ def evaluate(eval_steps, state, text_batches, vision_batches) -> dict[str, float
   return {**out, **{f"vision_{k}": v for k, v in vision.items()}}
 
 
+def make_step(config: ml_collections.ConfigDict, model: k25.K25, tx, media: bool):
+  """The jitted train step (state, batch) -> (state, metrics) of device batches with media or
+  text-only ones (`multimodal.batch_specs`); call under `jax.set_mesh`."""
+  return trainer_lib.train_step(model, tx, objective.for_section(model, config.train),
+                                router_bias_rate=config.train.router_bias_rate,
+                                qk_clip_tau=optimizer.qk_clip_tau(config.optimizer),
+                                batch_specs=multimodal.batch_specs(media))
+
+
 def run(config: ml_collections.ConfigDict, workdir: str, model_cfg: K25Config, tok):
   """Joint training of `model_cfg` to `train.steps`, from `init` or the workdir; with
   train.eval_batches = data.vision_eval_batches = 0 it does not evaluate. Returns (state, history)."""
@@ -66,9 +75,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, model_cfg: K25Config, t
                  "mesh %s, starting at step %d", config.stage, plan.kind, plan.ratio, 100 * plan.start,
                  plan.overall_share, dict(trainer.mesh.shape), int(state.step))
     loss_fn = objective.for_section(model, config.train)
-    steps = {media: trainer.train_step(loss_fn, router_bias_rate=config.train.router_bias_rate,
-                                       qk_clip_tau=optimizer.qk_clip_tau(config.optimizer),
-                                       batch_specs=multimodal.batch_specs(media)) for media in (True, False)}
+    steps = {media: make_step(config, model, tx, media) for media in (True, False)}
     eval_steps = {media: trainer.eval_step(loss_fn, multimodal.batch_specs(media)) for media in (False, True)}
     text_batches, vision_batches = [prepare(b) for b in text_eval], [prepare(b) for b in vision_eval]
     return trainer.fit(state, multimodal.media_step(steps[True], steps[False]), lambda _: prepare(next(train_data)),
