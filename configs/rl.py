@@ -5,6 +5,15 @@
 built-in SFT warm start (~1 min), then RL in a few minutes. Switches after the preset,
 comma-separated: `toggle` turns Toggle on (`configs/rl.py:tiny,toggle`, or configs/toggle.py).
 
+`get_config("k25")` (`configs/rl.py:k25`): the released K2 text backbone on a TPU pod, the
+update step of a pod run: the MoE layers scanned and recomputed in the backward, the Pallas
+MLA flash kernel, 64-way expert parallel, rows split 2 ways along `sequence`, FSDP over the
+rest; 128 prompts × 8 samples of up to 16K new tokens an iteration, in 4 updates of 256
+rows. Start it from a converted checkpoint (`--config.init.checkpoint`); the addition task
+caps answers at 20 tokens, so a pod run needs a task with long answers.
+`experiments/aot_compile.py --config=configs/rl.py:k25` compiles its update for a pod and
+`experiments/aot_decode.py` the sampler's decode step.
+
 `get_config("vision")` (`configs/rl.py:vision`, the `rl_vision` stage): vision RL of the
 K2.5 model of configs/sft.py on image tasks (counting, locating, comparing, reading), the
 image in the prompt and the sandboxed Python tool available, from `init.checkpoint`
@@ -18,7 +27,7 @@ import ml_collections
 
 from configs import common
 
-PRESETS = ("tiny", "vision")
+PRESETS = ("tiny", "k25", "vision")
 SWITCHES = ("toggle", "no_tool")
 
 TINY_MODEL = dict(vocab_size=17, hidden_size=64, intermediate_size=192, moe_intermediate_size=64,
@@ -32,10 +41,12 @@ def get_config(arg=None):
   if preset == "vision":
     return vision_config(switches)
   if "no_tool" in switches:
-    raise ValueError("configs/rl.py:tiny: the no_tool switch is for the vision preset")
+    raise ValueError(f"configs/rl.py:{preset}: the no_tool switch is for the vision preset")
+  k25 = preset == "k25"
   c = ml_collections.ConfigDict()
   c.stage = "rl"
-  c.model = common.model_section("tiny", **TINY_MODEL)
+  pod = dict(scan_layers=True, remat_policy="full", moe_impl="ragged_dot", attention_impl="pallas")
+  c.model = common.model_section("k25", **pod) if k25 else common.model_section("tiny", **TINY_MODEL)
   c.init = common.init_section()       # init.checkpoint: a workdir of the same model; '' = the warm start below
   c.task = ml_collections.ConfigDict(dict(name="addition", train_prompts=1024, eval_prompts=256, seed=0))
 
@@ -61,6 +72,10 @@ def get_config(arg=None):
   c.train = ml_collections.ConfigDict(dict(
       steps=150, log_every=10, eval_every=10, checkpoint_every=50, keep_checkpoints=2, seed=0,
       router_bias_rate=1e-3, max_consecutive_skipped=10))
+  if k25:   # a pod: 1024 rollouts an iteration, 256 rows of 16K tokens an update (8K tokens a chip)
+    c.rl.update(prompts_per_iteration=128, minibatches=4, max_new_tokens=16384)
+    c.optimizer.lr = 1e-6
+    c.mesh.update(data=1, fsdp=-1, expert=64, sequence=2)
   return c
 
 

@@ -89,7 +89,8 @@ def test_stages_are_leaves_and_kernels_sit_below_the_model(graph):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_loading_a_config_imports_no_jax(name):
-  presets = {"pretrain": ("tiny", "small", "joint", "k25"), "rl": ("tiny", "tiny,toggle", "vision", "vision,no_tool"),
+  presets = {"pretrain": ("tiny", "small", "joint", "k25"), "midtrain": ("tiny", "k25", "k25,262k"),
+             "rl": ("tiny", "tiny,toggle", "k25", "vision", "vision,no_tool"),
              "sft": ("tiny", "tiny,visual")}.get(name, (None,))
   code = (f"import importlib, sys\nm = importlib.import_module('configs.{name}')\n"
           f"[m.get_config(p) for p in {presets!r}] if hasattr(m, 'get_config') else None\n"
