@@ -1,4 +1,5 @@
-"""The pretrain step compiles for a TPU slice on this CPU (experiments/aot_compile.py); needs libtpu."""
+"""The pretrain, midtrain and RL steps and the sampler's decode step compile for a TPU slice on this CPU
+(experiments/aot_compile.py, aot_decode.py); needs libtpu."""
 import importlib.util
 import math
 import os
@@ -8,6 +9,7 @@ import sys
 import jax
 import pytest
 
+from config_files import load_config
 from k25jax.model import transformer
 from k25jax.train import config_utils, optimizer, sharding, trainer as trainer_lib
 
@@ -42,11 +44,65 @@ def test_small_preset_train_step_compiles_for_v5p_2x2x1(monkeypatch):
   assert row["fits"] and row["temp_bytes"] > 0 and row["flops_per_chip"] > 0
   # The arguments are one chip's shards of the state and the batch (TPU tiling pads a little).
   mesh = sharding.make_mesh({"fsdp": 2, "expert": 2}, devices)
-  model = transformer.Transformer(aot_compile.target_model_config(config.model, "tpu"))
+  model = transformer.Transformer(aot_compile.target_model_config(config_utils.model_config_from(config.model), "tpu"))
   tx = optimizer.make_optimizer(config.optimizer, config.train.steps)
   inputs = (trainer_lib.state_target(model, tx, mesh), aot_compile.abstract_batch(8, 256, mesh))
   shard_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(inputs))
   assert shard_bytes <= row["argument_bytes"] < 1.1 * shard_bytes, (row["argument_bytes"], shard_bytes)
+
+
+def _tiny_compile(monkeypatch, path, preset, overrides, compile_fn):
+  """`compile_fn(aot module, config, v5p 2x2x1 devices)` at the TPU default precision (as above)."""
+  monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  monkeypatch.syspath_prepend(os.path.join(ROOT, "experiments"))
+  import aot_decode
+  from jax.experimental import topologies
+  config = config_utils.load_config_file(os.path.join(ROOT, "configs", path), preset)
+  config_utils.apply_overrides(config, overrides)
+  devices = topologies.get_topology_desc("v5p:2x2x1", "tpu").devices
+  with jax.default_matmul_precision("default"):
+    return compile_fn(aot_decode, config, devices)
+
+
+POD_PATH = ("scan_layers=True", "moe_impl=ragged_dot", "attention_impl=pallas")
+
+
+def test_midtrain_step_compiles_with_the_flash_kernel_on_rows_split_along_sequence(monkeypatch):
+  overrides = [f"model.text.{o}" for o in POD_PATH + ("num_hidden_layers=2",)] + [
+      "train.batch=2", "train.seq_len=512", "long_context.original_context=128"]
+  row = _tiny_compile(monkeypatch, "midtrain.py", "tiny", overrides, lambda aot, config, devices:
+                      aot.aot_compile.compile_step(config, devices, {"expert": 2, "sequence": 2}, "full", LOW_EFFORT))
+  assert row["fits"] and row["model"]["rope_scaling"]["factor"] == 4.0
+  assert row["pallas_calls"] >= 3                          # the kernel's forward, dK/dV and dQ passes
+  assert row["collectives"]["all-to-all"] > 0 and row["collectives"]["ragged-all-to-all"] >= 4
+
+
+def test_rl_update_step_compiles_for_the_driver(monkeypatch):
+  overrides = [f"model.{o}" for o in POD_PATH] + ["rl.max_new_tokens=256", "rl.prompts_per_iteration=2",
+                                                  "rl.minibatches=2"]
+  row = _tiny_compile(monkeypatch, "rl.py", "tiny", overrides, lambda aot, config, devices:
+                      aot.aot_compile.compile_step(config, devices, {"expert": 2, "sequence": 2}, "full", LOW_EFFORT))
+  assert row["fits"] and row["pallas_calls"] >= 3 and row["collectives"]["ragged-all-to-all"] >= 4
+
+
+def test_decode_step_compiles_with_the_cache_split_by_rows(monkeypatch):
+  row = _tiny_compile(monkeypatch, "rl.py", "tiny", [], lambda aot, config, devices:
+                      aot.compile_decode(config, devices, {"data": 2, "expert": 2}, rows=8, context=64,
+                                         compiler_options=LOW_EFFORT))
+  cfg = config_utils.model_config_from(load_config("configs/rl.py").model)
+  assert row["cache_bytes_per_token"] == (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * 4
+  assert row["rows_per_chip"] == 2 and row["cache_bytes_per_chip"] == 2 * 64 * row["cache_bytes_per_token"]
+  assert row["fits"] and row["alias_bytes"] >= row["cache_bytes_per_chip"]      # the cache is donated
+  assert row["collectives"]["ragged-all-to-all"] >= 2                          # experts split over `expert`
+  assert row["roofline"][0]["tokens_per_s_per_chip"] > 0
+
+
+def test_k25_latent_cache_is_576_numbers_a_token_and_layer(monkeypatch):
+  monkeypatch.syspath_prepend(os.path.join(ROOT, "experiments"))
+  import aot_decode
+  cfg = aot_decode.decode_model_config(load_config("configs/rl.py", "k25").model, "tpu")
+  assert not cfg.scan_layers and cfg.attention_impl == "xla"
+  assert aot_decode.cache_bytes_per_token(cfg) == 576 * 61 * 2                   # bf16
 
 
 def test_mesh_axes_that_split_a_physical_axis_are_allowed(monkeypatch):
