@@ -9,9 +9,10 @@ Presets:
   rows of 32K tokens, YaRN as released (factor 64 over 4096 original positions, so
   262,144 max positions), 128 rows a step (4.2M tokens, as pretrain:k25), the MoE layers
   scanned and recomputed in the backward, the Pallas MLA flash kernel (K/V tiled, each
-  device on whole rows of its heads), 64-way expert parallel, each row split 4 ways along
-  `sequence`, FSDP over the rest. Switch `262k` (`configs/midtrain.py:k25,262k`): the second
-  phase, 16 rows of 262,144 tokens, 16-way expert parallel and 32-way along `sequence`.
+  device on whole rows of its heads), 64-way expert parallel and each row split 8 ways
+  along `sequence` (whole axes of a v5p 8×8×8), FSDP over the rest (none there).
+  Switch `262k` (`configs/midtrain.py:k25,262k`): the second phase, 16 rows of 262,144
+  tokens, 16-way expert parallel and 32-way along `sequence`.
   `experiments/aot_compile.py --config=configs/midtrain.py:k25` compiles its step for a pod.
 
 Start from joint pre-training with `--config.init.checkpoint=runs/pretrain_joint`.
@@ -76,9 +77,9 @@ def get_config(arg=None):
       z_loss=1e-4,
       max_consecutive_skipped=10,          # skipped (non-finite) updates in a row that stop the run
   ))
-  if k25:   # a pod: 4.2M tokens a step, 8K tokens of a row on each chip
+  if k25:   # a pod: 4.2M tokens a step, 8K tokens on each chip
     long_rows = "262k" in switches
-    c.mesh.update(data=1, fsdp=-1, expert=16 if long_rows else 64, sequence=32 if long_rows else 4)
+    c.mesh.update(data=1, fsdp=-1, expert=16 if long_rows else 64, sequence=32 if long_rows else 8)
     c.train.update(steps=1000, log_every=10, eval_every=100, checkpoint_every=100,
                    batch=16 if long_rows else 128, seq_len=262144 if long_rows else 32768)
   return c

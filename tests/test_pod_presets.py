@@ -18,7 +18,7 @@ def _released_but_ours(cfg: model_config.ModelConfig) -> model_config.ModelConfi
 
 
 def _row_split(mesh: dict, rows: int, width: int) -> tuple[int, int]:
-  """(rows a batch shard, tokens of a row a chip holds) on the pod."""
+  """(rows of a batch shard, tokens of each that a chip holds) on the pod."""
   data, fsdp, expert, sequence, _ = sharding.mesh_shape(mesh, POD)
   shards = data * fsdp * expert
   assert rows % shards == 0 and width % sequence == 0
@@ -32,7 +32,8 @@ def test_midtrain_k25_is_the_released_model_with_its_yarn(arg, seq_len):
   assert _released_but_ours(cfg) == RELEASED                      # YaRN factor 64 over 4096: 262,144 positions
   assert cfg.attention_impl == "pallas" and cfg.scan_layers and cfg.remat_policy == "full"
   assert config.train.seq_len == seq_len and config.train.batch * seq_len == 1024 * 4096   # pretrain:k25's tokens
-  assert _row_split(config.mesh.to_dict(), config.train.batch, seq_len) == (1, TOKENS_A_CHIP)
+  rows, tokens = _row_split(config.mesh.to_dict(), config.train.batch, seq_len)
+  assert rows * tokens == TOKENS_A_CHIP
 
 
 def test_the_262k_switch_is_for_the_k25_preset():
@@ -47,4 +48,5 @@ def test_rl_k25_updates_the_released_model_on_rows_of_its_longest_responses():
   rl = config.rl
   rows = rl.prompts_per_iteration * rl.num_generations // rl.minibatches
   assert rows % rl.num_generations == 0                         # an update holds whole groups
-  assert _row_split(config.mesh.to_dict(), rows, rl.max_new_tokens) == (1, TOKENS_A_CHIP)
+  rows, tokens = _row_split(config.mesh.to_dict(), rows, rl.max_new_tokens)
+  assert rows * tokens == TOKENS_A_CHIP
