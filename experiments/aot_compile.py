@@ -232,6 +232,14 @@ def mesh_name(mesh: dict) -> str:
   return ",".join(f"{k}={v}" for k, v in mesh.items()) or "1 device"
 
 
+def load_config(spec: str, overrides: list[str]):
+  """The config of "file[:preset]" (relative to the checkout) with `section.field=value` overrides."""
+  path, _, preset = spec.partition(":")
+  config = config_utils.load_config_file(path if os.path.isabs(path) else os.path.join(ROOT, path), preset or None)
+  config_utils.apply_overrides(config, overrides)
+  return config
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--config", default="configs/pretrain.py:k25", help="config file[:preset]")
@@ -244,12 +252,8 @@ def main():
                                                    "aot_compile[_<stage>].json, only when every layout compiles and fits)")
   args = parser.parse_args()
 
-  path, _, preset = args.config.partition(":")
-  config = config_utils.load_config_file(os.path.join(ROOT, path) if not os.path.isabs(path) else path,
-                                         preset or None)
-  config_utils.apply_overrides(config, args.set)
-  topology = topologies.get_topology_desc(args.topology, "tpu")
-  devices = topology.devices
+  config = load_config(args.config, args.set)
+  devices = topologies.get_topology_desc(args.topology, "tpu").devices
   layouts = requested_layouts(args.mesh, config)
   remats = [r for r in args.remat.split(",") if r] or [text_section(config).remat_policy]
   program = stage_program(config, devices[0].platform)

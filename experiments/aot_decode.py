@@ -179,10 +179,7 @@ def main():
                                                    "only when every shape compiles and fits)")
   args = parser.parse_args()
 
-  path, _, preset = args.config.partition(":")
-  config = config_utils.load_config_file(os.path.join(ROOT, path) if not os.path.isabs(path) else path,
-                                         preset or None)
-  config_utils.apply_overrides(config, args.set)
+  config = aot_compile.load_config(args.config, args.set)
   devices = topologies.get_topology_desc(args.topology, "tpu").devices
   layouts = [aot_compile.parse_mesh(m) for m in args.mesh or ["data=8,expert=64"]]
   shapes = [parse_shape(s) for s in args.shape or ["2048x32768"]]
