@@ -8,8 +8,8 @@ comma-separated: `toggle` turns Toggle on (`configs/rl.py:tiny,toggle`, or confi
 `get_config("k25")` (`configs/rl.py:k25`): the released K2 text backbone on a TPU pod, the
 update step of a pod run: the MoE layers scanned and recomputed in the backward, the Pallas
 MLA flash kernel, 64-way expert parallel, rows split 8 ways along `sequence` (whole axes of
-a v5p 8×8×8), FSDP over the rest; 128 prompts × 8 samples of up to 16K new tokens an
-iteration, in 4 updates of 256 rows. Start it from a converted checkpoint
+a v5p 8×8×8), FSDP over the rest, MuonClip; 128 prompts × 8 samples of up to 16K new tokens
+an iteration, in 4 updates of 256 rows. Start it from a converted checkpoint
 (`--config.init.checkpoint`); the addition task caps answers at 20 tokens, so a pod run
 needs a task with long answers.
 `experiments/aot_compile.py --config=configs/rl.py:k25` compiles its update for a pod and
@@ -75,7 +75,7 @@ def get_config(arg=None):
       router_bias_rate=1e-3, max_consecutive_skipped=10))
   if k25:   # a pod: 1024 rollouts an iteration, 256 rows of 16K tokens an update (8K tokens a chip)
     c.rl.update(prompts_per_iteration=128, minibatches=4, max_new_tokens=16384)
-    c.optimizer.lr = 1e-6
+    c.optimizer.update(name="muonclip", lr=1e-6)   # MuonClip as in pre-training; lr not given by the paper
     c.mesh.update(data=1, fsdp=-1, expert=64, sequence=8)
   return c
 
