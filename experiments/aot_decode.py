@@ -73,12 +73,16 @@ def cache_bytes_per_token(cfg: model_config.ModelConfig) -> int:
   return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_hidden_layers * jnp.dtype(cfg.dtype).itemsize
 
 
+def row_and_cache_shardings(mesh) -> tuple[NamedSharding, NamedSharding]:
+  """Tokens and positions [rows, 1], and each layer's cache [rows, context, width]: rows over the batch axes."""
+  return NamedSharding(mesh, P(sharding.BATCH_AXES, None)), NamedSharding(mesh, P(sharding.BATCH_AXES, None, None))
+
+
 def decode_step(cfg: model_config.ModelConfig, mesh):
   """`sampler.decode_step` jitted with shardings (module docstring), the cache donated."""
   model = transformer.Transformer(cfg)
   params = sharding.logical_to_sharding(transformer.abstract_params(cfg), mesh)
-  rows = NamedSharding(mesh, P(sharding.BATCH_AXES, None))
-  cache = NamedSharding(mesh, P(sharding.BATCH_AXES, None, None))
+  rows, cache = row_and_cache_shardings(mesh)
   caches = [{"latent": cache, "k_rope": cache}] * cfg.num_hidden_layers
 
   def step(params, tokens, positions, cache):
@@ -92,9 +96,8 @@ def abstract_inputs(cfg: model_config.ModelConfig, mesh, rows: int, context: int
   """ShapeDtypeStructs of (params, tokens, positions, cache) with their shardings."""
   boxed = transformer.abstract_params(cfg)
   params = checkpoint.abstract_target(nn.meta.unbox(boxed), sharding.logical_to_sharding(boxed, mesh))
-  spec = NamedSharding(mesh, P(sharding.BATCH_AXES, None))
+  spec, cache_spec = row_and_cache_shardings(mesh)
   tokens = jax.ShapeDtypeStruct((rows, 1), jnp.int32, sharding=spec)
-  cache_spec = NamedSharding(mesh, P(sharding.BATCH_AXES, None, None))
   cache = [{name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cache_spec) for name, x in layer.items()}
            for layer in jax.eval_shape(lambda: attention.init_cache(cfg, rows, context, jnp.dtype(cfg.dtype)))]
   return params, tokens, tokens, cache

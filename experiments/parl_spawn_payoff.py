@@ -3,8 +3,8 @@
     python experiments/parl_spawn_payoff.py --workdir=DIR [--tasks 512 --samples 8 --min_width 8
         --out experiments/results/parl_spawn_payoff.json]
 
-DIR is a `configs/parl.py` run (its warm start, DIR/warm_start, or `init.checkpoint`, plays
-both roles). On the wide tasks of at least --min_width entities among --tasks held-out
+DIR is a `configs/parl.py` run: its warm start (DIR/warm_start, or `init.checkpoint`) is the
+orchestrator and its frozen sub-agents (`parl.frozen_subagents`) play under it. On the wide tasks of at least --min_width entities among --tasks held-out
 tasks (`parl.sample_tasks`, seed --seed), it samples --samples episodes per task at the
 RL temperature, as the first RL iteration would, and compares the episodes whose
 orchestrator split (created a sub-agent) with those where it worked alone:
@@ -61,10 +61,11 @@ def main(argv=None):
   model = transformer.Transformer(config_utils.model_config_from(config.model))
   mesh = sharding.make_mesh(config.mesh.to_dict())
   warm = trainer_lib.restore_params(model, config.init.checkpoint or os.path.join(args.workdir, "warm_start"), mesh)
+  subagents = parl.frozen_subagents(config, args.workdir)
   tasks = [t for t in parl.sample_tasks(config, args.tasks, args.seed)
            if t.kind == "wide" and len(t.entities) >= args.min_width]
   episodes = [t for t in tasks for _ in range(args.samples)]
-  results, _, _ = parl.play(config, model.cfg, warm, warm, episodes, greedy=False, seed=args.seed)
+  results, _, _ = parl.play(config, model.cfg, warm, subagents, episodes, greedy=False, seed=args.seed)
   out = payoff(np.array([r.num_created > 0 for r in results]), np.array([r.score.item_f1 for r in results]),
                args.samples)
   out.update(workdir=os.path.abspath(args.workdir), tasks=len(tasks), min_width=args.min_width,

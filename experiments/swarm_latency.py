@@ -231,6 +231,11 @@ def plot(curves: dict, table: list[dict], targets, widths, path: str, title: str
   plt.close(fig)
 
 
+def max_other_cores(curves: dict) -> float:
+  """The most cores other processes used while any of a sweep's plays was timed (0: none timed)."""
+  return max((p["other_cores"] for points in curves.values() for p in points if "other_cores" in p), default=0.0)
+
+
 def seed_summary(paths: list[str], pair: str = "single / swarm") -> dict:
   """Per target and width, the critical-step speedup `pair` of each saved sweep (one per
   trained seed) and their mean over the sweeps that reached the target (NaN: none did),
@@ -245,9 +250,8 @@ def seed_summary(paths: list[str], pair: str = "single / swarm") -> dict:
     reached = [v for v in values if math.isfinite(v)]
     rows.append({"target": row["target"], "width": row["width"], "speedups": values,
                  "mean": float(np.mean(reached)) if reached else float("nan"), "reached": len(reached)})
-  loads = [p.get("other_cores", 0.0) for s in sweeps for points in s["curves"].values() for p in points]
   return {"sweeps": paths, "workdirs": [s["workdir"] for s in sweeps], "pair": pair, "rows": rows,
-          "max_other_cores": float(np.nanmax(loads)) if loads else float("nan")}
+          "max_other_cores": max(max_other_cores(s["curves"]) for s in sweeps)}
 
 
 def print_seed_summary(summary: dict, log=print) -> None:
@@ -334,8 +338,7 @@ def main(argv=None):
   table = target_table(curves, targets, widths)
   print_tables(table, curves)
   elapsed = time.perf_counter() - start
-  loads = [p["other_cores"] for points in curves.values() for p in points if "other_cores" in p]
-  max_load = max(loads, default=0.0)
+  max_load = max_other_cores(curves)
   print(f"elapsed {elapsed:.0f} s; other processes used up to {max_load:.2f} cores while a play was timed"
         + (f" (more than {interleave.MAX_LOAD}: the wall times measure the load, cite only critical steps)"
            if max_load > interleave.MAX_LOAD else ""))
