@@ -19,8 +19,10 @@ is written only when no process ran beside other work (or, marked, with `--allow
 `--parts` also times forward + backward of each part alone, interleaved the same way
 (the LM head with the cross-entropy, one MLA attention layer, one MoE layer, the dense
 MLP, the AdamW update), and the stage's own overhead (its step minus the model step).
-It also reports XLA's compiled flop count of one MoE layer against the analytic count of
-the work routing asks for, at 16 and 384 experts.
+The minor page faults of one step of each contender are recorded too (pages a step gets
+fresh from the kernel; `interleave.minor_page_faults`). It also reports XLA's compiled
+flop count of one MoE layer against the analytic count of the work routing asks for, at
+16 and 384 experts.
 """
 from __future__ import annotations
 
@@ -225,7 +227,8 @@ def one_process(args) -> dict:
     if abs(loss - first[PEER]) > 1e-5 * abs(first[PEER]):
       raise SystemExit(f"{name}'s first loss {loss!r} differs from {PEER}'s {first[PEER]!r}: not the same computation")
   times, others = interleave.round_robin(steps, args.steps, args.warmup)
-  out = {"first_loss": first, "other_cores": others, "times": times}
+  out = {"first_loss": first, "other_cores": others, "times": times,
+         "page_faults": interleave.minor_page_faults(steps)}
   if args.parts:
     parts = part_closures(cfg, params, peer, tokens)
     part_times, part_others = interleave.round_robin(
@@ -250,11 +253,11 @@ def print_table(summary: dict, args) -> None:
   print(f"tiny K2 decoder, train step on batch {args.batch} x seq {args.seq}, CPU ({os.cpu_count()} cores), "
         f"{len(summary['other_cores'])} process(es) x {args.steps} interleaved steps; other processes used "
         + ", ".join(f"{c:.2f}" for c in summary["other_cores"]) + " cores")
-  print(f"{'contender':22s} {'step s':>8s} {'tok/s':>8s} {'vs best transformers':>21s}  per process "
-        f"(best: {summary['peer']})")
+  print(f"{'contender':22s} {'step s':>8s} {'tok/s':>8s} {'vs best transformers':>21s} {'page faults':>12s}  "
+        f"per process (best: {summary['peer']})")
   for name, row in summary["contenders"].items():
-    print(f"{name:22s} {row['median_s']:8.3f} {row['per_s']:8.0f} {row['speed_vs_peer']:20.2f}x  "
-          + " ".join(f"{r:.2f}" for r in row["speed_vs_peer_per_process"]))
+    print(f"{name:22s} {row['median_s']:8.3f} {row['per_s']:8.0f} {row['speed_vs_peer']:20.2f}x "
+          f"{row['page_faults']:12d}  " + " ".join(f"{r:.2f}" for r in row["speed_vs_peer_per_process"]))
   if "parts" in summary:
     print(f"\n{'part (fwd+bwd)':42s} {'k25jax s':>9s} {PEER + ' s':>15s} {'ratio':>7s}")
     for part, row in summary["parts"].items():
@@ -278,6 +281,8 @@ def main():
   if runs is None:
     return
   summary = interleave.summarize(runs, [PEER, f"{PEER} eager"], args.batch * args.seq, args.max_load)
+  for name, row in summary["contenders"].items():
+    row["page_faults"] = int(statistics.median(r["page_faults"][name] for r in runs))
   if args.parts:
     summary["parts"] = part_table(runs, summary, args.max_load)
   print_table(summary, args)
