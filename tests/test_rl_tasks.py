@@ -44,10 +44,10 @@ def test_parser_round_trips_every_variant(scratch, check):
 def test_demonstrations_cover_all_lengths_and_parse():
   d = tasks.addition_demonstrations(64, seed=3)
   assert set(d["completion_length"].tolist()) == {4, 10, 14, 20}
-  assert d["tokens"].shape == (64, tasks.MAX_LENGTH) and tasks.MAX_LENGTH == 27
+  assert d["tokens"].shape == (64, 27)              # 7 prompt tokens + 20, the longest completion
   np.testing.assert_array_equal(d["completion_mask"].sum(1), d["completion_length"])
-  np.testing.assert_array_equal(d["length"], d["completion_length"] + tasks.PROMPT_LENGTH)
-  completions = d["tokens"][:, tasks.PROMPT_LENGTH:]
+  np.testing.assert_array_equal(d["length"], d["completion_length"] + 7)
+  completions = d["tokens"][:, 7:]
   graded = tasks.grade_addition(completions, d["a"], d["b"])
   assert graded["reward"].sum() == 64 and graded["num_unparsable"] == 0
   np.testing.assert_array_equal(graded["length"], d["completion_length"])
@@ -70,7 +70,8 @@ def test_determinism_given_seed():
   assert not np.array_equal(a["tokens"], tasks.addition_prompts(32, seed=8)["tokens"])
   d1, d2 = tasks.addition_demonstrations(32, seed=7), tasks.addition_demonstrations(32, seed=7)
   np.testing.assert_array_equal(d1["tokens"], d2["tokens"])
-  np.testing.assert_array_equal(a["tokens"], d1["tokens"][:, :tasks.PROMPT_LENGTH])
+  np.testing.assert_array_equal(a["tokens"], d1["tokens"][:, :7])
+  assert a["tokens"].shape == (32, 7) and np.all(a["prompt_length"] == 7)
   assert a["a"].min() >= 0 and a["a"].max() <= 99
 
 
@@ -93,6 +94,64 @@ def test_grader_scores_wrong_and_unparsable_as_zero_and_counts_them():
   np.testing.assert_array_equal(out["unparsable"], [0, 0, 0, 1, 1, 1, 1, 0])
   assert out["num_unparsable"] == 4
   np.testing.assert_array_equal(out["length"], [4, 10, 4, width, 3, 13, 3, 4])
+
+
+CHAT = tasks.ChatRendering()
+
+
+def test_chat_rendering_by_hand():
+  tok = CHAT.tokenizer
+  assert tok.vocab_size == 268                     # the K2.5 chat model's vocabulary (configs/common.py)
+  assert tok.decode(tasks.addition_prompt(57, 8, CHAT)) == "<|user|>57+08=<|end|><|assistant|>"
+  assert tasks.addition_prompt(57, 8, CHAT)[0] == tok.bos_id
+  completion = tasks.addition_completion(57, 68, scratch=True, check=False, render=CHAT)
+  assert tok.decode(completion) == "75+86>521<|end|>" and completion[-1] == tok.end_id
+
+
+@pytest.mark.parametrize("scratch", [False, True])
+@pytest.mark.parametrize("check", [False, True])
+def test_renderings_carry_the_same_text(scratch, check):
+  """Both renderings write the same characters, one token each, and parse back to the sum."""
+  for a, b in [(0, 0), (99, 99), (57, 68), (5, 40)]:
+    text = tasks.addition_answer_text(a, b, scratch=scratch, check=check)
+    compact = tasks.addition_completion(a, b, scratch=scratch, check=check)
+    chat_ids = tasks.addition_completion(a, b, scratch=scratch, check=check, render=CHAT)
+    assert TOK.decode(compact[:-1]) == CHAT.tokenizer.decode(chat_ids[:-1]) == text
+    assert len(compact) == len(chat_ids)
+    assert tasks.parse_addition(compact) == tasks.parse_addition(chat_ids, CHAT) == a + b
+
+
+def test_chat_demonstrations_and_prompts_match_the_compact_ones():
+  chat_d, compact_d = tasks.addition_demonstrations(32, seed=4, render=CHAT), tasks.addition_demonstrations(32, seed=4)
+  for key in ("a", "b", "scratch", "check", "completion_length"):
+    np.testing.assert_array_equal(chat_d[key], compact_d[key])
+  assert chat_d["tokens"].shape == (32, 10 + 20)                # BOS, <|user|>, 6 characters, <|end|>, <|assistant|>
+  np.testing.assert_array_equal(chat_d["length"], chat_d["completion_length"] + 10)
+  graded = tasks.grade_addition(chat_d["tokens"][:, 10:], chat_d["a"], chat_d["b"], CHAT)
+  assert graded["reward"].sum() == 32 and graded["num_unparsable"] == 0
+  np.testing.assert_array_equal(graded["length"], chat_d["completion_length"])
+
+
+def test_chat_grader_treats_calls_role_tokens_and_truncation_as_unparsable():
+  tok = CHAT.tokenizer
+  rows = [tok.encode("521") + [tok.end_id],                        # correct
+          tok.encode("421") + [tok.end_id],                        # wrong, well formed
+          [tok.call_id] + tok.encode("521") + [tok.end_id],        # a tool call, not an answer
+          tok.encode("52") + [tok.user_id] + tok.encode("1") + [tok.end_id],   # a role token inside
+          tok.encode("521"),                                      # truncated: no <|end|>
+          tok.encode(" 521") + [tok.end_id],                       # a space is outside the grammar
+          tok.encode("521") + [tok.end_id] + tok.encode("zz")]     # after <|end|>: ignored
+  width = max(len(r) for r in rows)
+  completions = np.array([r + [tok.pad_id] * (width - len(r)) for r in rows])
+  out = tasks.grade_addition(completions, np.full(len(rows), 57), np.full(len(rows), 68), CHAT)
+  np.testing.assert_array_equal(out["reward"], [1, 0, 0, 0, 0, 0, 1])
+  np.testing.assert_array_equal(out["unparsable"], [0, 0, 1, 1, 1, 1, 0])
+  np.testing.assert_array_equal(out["length"], [4, 4, 5, 5, width, 5, 4])
+
+
+def test_unknown_rendering_is_refused():
+  with pytest.raises(ValueError, match="task.rendering"):
+    tasks.rendering("xml")
 
 
 def test_grader_shape_mismatch_raises():

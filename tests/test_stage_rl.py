@@ -40,11 +40,13 @@ def test_training_path_recomputes_the_samplers_logprobs():
   config = load_config("configs/rl.py")
   cfg = config_utils.model_config_from(config.model)
   params = transformer.init_params(cfg, jax.random.PRNGKey(0))
-  prompts = tasks.addition_prompts(6, seed=0)["tokens"]
-  sampling = sampler.SamplingConfig(max_new_tokens=12, temperature=0.7, stop_tokens=(tasks.EOS_ID,))
-  out = jax.device_get(sampler.generate(cfg, params, prompts, np.full(6, 7), jax.random.PRNGKey(1), sampling))
-  responses = rollout.responses(prompts, np.full(6, 7), out["tokens"], out["lengths"], out["logprobs"])
-  batch = rollout.loss_rows(responses, prompts.shape[1] + out["tokens"].shape[1] - 1, tasks.PAD_ID)
+  render = tasks.rendering(config.task.rendering)
+  prompts = tasks.addition_prompts(6, seed=0, render=render)["tokens"]
+  n = prompts.shape[1]
+  sampling = sampler.SamplingConfig(max_new_tokens=12, temperature=0.7, stop_tokens=(render.stop_id,))
+  out = jax.device_get(sampler.generate(cfg, params, prompts, np.full(6, n), jax.random.PRNGKey(1), sampling))
+  responses = rollout.responses(prompts, np.full(6, n), out["tokens"], out["lengths"], out["logprobs"])
+  batch = rollout.loss_rows(responses, n + out["tokens"].shape[1] - 1, render.pad_id)
   logits, _ = transformer.Transformer(cfg).apply({"params": params}, jnp.asarray(batch["inputs"]))
   logp = rollout.token_logprobs(logits, jnp.asarray(batch["targets"]), 0.7)
   np.testing.assert_allclose(np.asarray(logp) * batch["mask"], batch["old_logp"], atol=2e-5)
@@ -54,6 +56,15 @@ def test_single_sample_groups_are_refused():
   config = load_config("configs/rl.py")
   config.rl.num_generations = 1
   with pytest.raises(ValueError, match="num_generations"):
+    rl.check(config)
+
+
+def test_model_vocabulary_must_be_the_renderings():
+  config = load_config("configs/rl.py", "tiny,compact")
+  assert config.task.rendering == "compact" and config.model.vocab_size == 17
+  rl.check(config)
+  config.task.rendering = "chat"
+  with pytest.raises(ValueError, match="vocab_size=17.*268"):
     rl.check(config)
 
 

@@ -2,19 +2,24 @@
 
 Two families:
 
-* `addition`: the synthetic 2-digit addition task of the RL/Toggle probe (tiny runs).
-  A 17-token vocabulary; correct answers come in four lengths, so a length budget
-  has something to trim:
+* `addition`: the synthetic 2-digit addition task of the RL/Toggle probe (tiny runs),
+  structured data (the operands a, b) with a text form, and two renderings of that text.
+  The text: the question `a1a0+b1b0=` (operands most-significant digit first) and a
+  completion `[a0a1+b0b1>]s0s1s2[?a0a1+b0b1>s0s1s2]`. The answer s0s1s2 is the sum
+  written least-significant digit first, zero-padded to 3 digits (57 → 750). The
+  optional scratch block before it restates the operands LSD first (useful: it lines the
+  digits up in the order the answer is produced); the optional check block after it
+  restates the whole equation (useless: the answer is already out). Correct answers so
+  come in four lengths, and a length budget has something to trim: 3, 9, 13 or 19
+  characters, one token each in both renderings, plus the stop token.
 
-      prompt      ^ a1 a0 + b1 b0 =                     7 tokens, operands MSD first
-      completion  [a0 a1 + b0 b1 >] s0 s1 s2 [? a0 a1 + b0 b1 > s0 s1 s2] $
+      rendering  prompt                                          completion ends with
+      chat       BOS <|user|> 57+68= <|end|> <|assistant|>       <|end|>    (`ChatRendering`, the default)
+      compact    ^57+68=   over a 17-token vocabulary            $          (`CompactRendering`)
 
-  `^` is BOS, `$` EOS. The answer s0 s1 s2 is the sum written least-significant digit
-  first, zero-padded to 3 digits (57 → 7 5 0). The optional scratch block before it
-  restates the operands LSD first (useful: it lines the digits up in the order the
-  answer is produced); the optional check block after it restates the whole equation
-  (useless: the answer is already out). Completion lengths, EOS included: 4 (bare),
-  10 (scratch), 14 (check), 20 (both); prompt + completion ≤ 27 tokens.
+  `chat` is the K2.5 chat format through `k25jax.data.chat.ChatTokenizer` (bytes, media,
+  role and tool tokens: the vocabulary of the K2.5 chat model); `compact` keeps a
+  17-token model for the fastest CPU runs. Both grade the decoded text with one parser.
 
 * `ReasoningGymTask`: `countdown` and `gsm_symbolic` from the `reasoning-gym` package,
   generated procedurally (no download) for `small` runs; text prompts, text completions
@@ -25,20 +30,69 @@ scores 0 and is flagged, and graders return the count, so the RL stage can log i
 """
 from __future__ import annotations
 
+import re
+from typing import Sequence
+
 import numpy as np
 
-# --- 2-digit addition ------------------------------------------------------------------
+from k25jax.data import chat
+
+# --- 2-digit addition: the text ----------------------------------------------------------
+
+SCRATCH_LENGTH = 6        # a0a1+b0b1>
+ANSWER_LENGTH = 3         # s0s1s2
+CHECK_LENGTH = 10         # ?a0a1+b0b1>s0s1s2
+MAX_COMPLETION_LENGTH = SCRATCH_LENGTH + ANSWER_LENGTH + CHECK_LENGTH + 1   # with the stop token
+_OPERANDS = re.compile(r"[0-9]{2}\+[0-9]{2}>")
+_ANSWER = re.compile(r"[0-9]{3}")
+_CHECK = re.compile(r"\?[0-9]{2}\+[0-9]{2}>[0-9]{3}")
+
+
+def _check_operands(a: int, b: int) -> None:
+  if not (0 <= a <= 99 and 0 <= b <= 99):
+    raise ValueError(f"operands must be 2-digit numbers in [0, 99], got {a} and {b}")
+
+
+def _reversed(value: int, width: int) -> str:
+  """value's digits, least significant first, zero-padded to `width`."""
+  return f"{value:0{width}d}"[::-1]
+
+
+def addition_question(a: int, b: int) -> str:
+  """`a1a0+b1b0=`, the operands most-significant digit first (57, 8 → "57+08=")."""
+  _check_operands(a, b)
+  return f"{a:02d}+{b:02d}="
+
+
+def addition_answer_text(a: int, b: int, *, scratch: bool, check: bool) -> str:
+  """A correct completion's text, with or without the scratch and the check blocks."""
+  _check_operands(a, b)
+  restated = f"{_reversed(a, 2)}+{_reversed(b, 2)}>"
+  answer = _reversed(a + b, ANSWER_LENGTH)
+  return (restated if scratch else "") + answer + (f"?{restated}{answer}" if check else "")
+
+
+def parse_addition_text(text: str | None) -> int | None:
+  """The answer in a completion's text (before its stop token), or None if malformed.
+
+  Grammar: [scratch] answer [check], with scratch `dd+dd>`, answer three digits (least
+  significant first) and check `?dd+dd>ddd`. The contents of scratch and check are not
+  graded, only their form; None (a truncated generation) is malformed.
+  """
+  if text is None:
+    return None
+  if len(text) >= SCRATCH_LENGTH + ANSWER_LENGTH and _OPERANDS.fullmatch(text[:SCRATCH_LENGTH]):
+    text = text[SCRATCH_LENGTH:]
+  answer, rest = text[:ANSWER_LENGTH], text[ANSWER_LENGTH:]
+  if not _ANSWER.fullmatch(answer) or (rest and not _CHECK.fullmatch(rest)):
+    return None
+  return int(answer[::-1])
+
+
+# --- 2-digit addition: the renderings ------------------------------------------------------
 
 ADDITION_VOCAB = ("_", "^", "$", "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "+", "=", ">", "?")
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
-PLUS_ID, EQUALS_ID, THEN_ID, CHECK_ID = 13, 14, 15, 16
-DIGIT_IDS = tuple(range(3, 13))
-PROMPT_LENGTH = 7
-SCRATCH_LENGTH = 6        # a0 a1 + b0 b1 >
-ANSWER_LENGTH = 3         # s0 s1 s2
-CHECK_LENGTH = 10         # ? a0 a1 + b0 b1 > s0 s1 s2
-MAX_COMPLETION_LENGTH = SCRATCH_LENGTH + ANSWER_LENGTH + CHECK_LENGTH + 1
-MAX_LENGTH = PROMPT_LENGTH + MAX_COMPLETION_LENGTH
 
 
 class AdditionTokenizer:
@@ -65,128 +119,168 @@ class AdditionTokenizer:
     return "".join(self.vocab[i] for i in ids)
 
 
-def _digit(d: int) -> int:
-  return DIGIT_IDS[d]
+def _before_stop(ids: Sequence[int], stop_id: int) -> list[int] | None:
+  """The ids before the first `stop_id`, or None when there is none (a truncated generation)."""
+  ids = [int(i) for i in ids]
+  return ids[:ids.index(stop_id)] if stop_id in ids else None
 
 
-def _reversed_digits(value: int, width: int) -> list[int]:
-  """value's digits, least significant first, zero-padded to `width`, as token ids."""
-  return [_digit((value // 10 ** k) % 10) for k in range(width)]
+class CompactRendering:
+  """`^question` → `completion$` over the 17-token `AdditionTokenizer` (one token per character)."""
+
+  name = "compact"
+
+  def __init__(self):
+    self.tokenizer = AdditionTokenizer()
+    self.stop_id, self.pad_id = EOS_ID, PAD_ID
+
+  def prompt(self, question: str) -> list[int]:
+    return [BOS_ID] + self.tokenizer.encode(question)
+
+  def completion(self, text: str) -> list[int]:
+    return self.tokenizer.encode(text) + [self.stop_id]
+
+  def completion_text(self, ids: Sequence[int]) -> str | None:
+    """The text a generated completion answers with (None without the stop token)."""
+    body = _before_stop(ids, self.stop_id)
+    return None if body is None else self.tokenizer.decode(body)
 
 
-def addition_prompt(a: int, b: int) -> list[int]:
-  """`^ a1 a0 + b1 b0 =` (operands most-significant digit first), 7 token ids."""
-  if not (0 <= a <= 99 and 0 <= b <= 99):
-    raise ValueError(f"operands must be 2-digit numbers in [0, 99], got {a} and {b}")
-  return [BOS_ID, *_reversed_digits(a, 2)[::-1], PLUS_ID, *_reversed_digits(b, 2)[::-1], EQUALS_ID]
+class ChatRendering:
+  """The K2.5 chat format (`k25jax.data.chat`): the question is the user message, the
+  completion the assistant's answer turn.
+
+      prompt      BOS <|user|> question <|end|> <|assistant|>
+      completion  text <|end|>
+
+  A generated turn that is a tool call (`<|call|>` first) or holds another role token is
+  not an answer: its text is None, and it scores as unparsable.
+  """
+
+  name = "chat"
+
+  def __init__(self, tokenizer: chat.ChatTokenizer | None = None):
+    self.tokenizer = tokenizer if tokenizer is not None else chat.ChatTokenizer()
+    self.stop_id, self.pad_id = self.tokenizer.end_id, self.tokenizer.pad_id
+
+  def prompt(self, question: str) -> list[int]:
+    tokens, _ = chat.render(self.tokenizer, [chat.Message("user", question)])
+    return tokens + [self.tokenizer.assistant_id]
+
+  def completion(self, text: str) -> list[int]:
+    return self.tokenizer.encode(text) + [self.stop_id]
+
+  def completion_text(self, ids: Sequence[int]) -> str | None:
+    turn = chat.parse_turn(self.tokenizer, ids)
+    return None if turn.call or turn.error in ("truncated", "stray_token") else turn.text
 
 
-def addition_completion(a: int, b: int, *, scratch: bool, check: bool) -> list[int]:
-  """A correct completion (EOS included) with or without the scratch and the check blocks."""
-  restated = [*_reversed_digits(a, 2), PLUS_ID, *_reversed_digits(b, 2), THEN_ID]
-  answer = _reversed_digits(a + b, ANSWER_LENGTH)
-  tokens = (restated if scratch else []) + answer
-  if check:
-    tokens += [CHECK_ID, *restated, *answer]
-  return tokens + [EOS_ID]
+RENDERINGS = {"chat": ChatRendering, "compact": CompactRendering}
+COMPACT = CompactRendering()
 
 
-def addition_prompts(n: int, seed: int) -> dict[str, np.ndarray]:
-  """n prompts with operands drawn uniformly from [0, 99], deterministic given seed.
+def rendering(name: str):
+  """The addition task's rendering called `name` ("chat" | "compact")."""
+  if name not in RENDERINGS:
+    raise ValueError(f"task.rendering={name!r}; choose from {sorted(RENDERINGS)}")
+  return RENDERINGS[name]()
 
-  Returns tokens int32 [n, 7], a int32 [n], b int32 [n].
+
+# --- 2-digit addition: prompts, demonstrations, grades -----------------------------------------
+
+def addition_prompt(a: int, b: int, render=COMPACT) -> list[int]:
+  """The prompt's token ids (compact: `^ a1 a0 + b1 b0 =`, 7 ids)."""
+  return render.prompt(addition_question(a, b))
+
+
+def addition_completion(a: int, b: int, *, scratch: bool, check: bool, render=COMPACT) -> list[int]:
+  """A correct completion's token ids, the stop token included."""
+  return render.completion(addition_answer_text(a, b, scratch=scratch, check=check))
+
+
+def _padded(rows: list[list[int]], width: int, pad_id: int) -> np.ndarray:
+  out = np.full((len(rows), width), pad_id, np.int32)
+  for j, row in enumerate(rows):
+    out[j, :len(row)] = row
+  return out
+
+
+def addition_prompts(n: int, seed: int, render=COMPACT) -> dict[str, np.ndarray]:
+  """n prompts with operands drawn uniformly from [0, 99], deterministic given seed (the
+  same operands in every rendering).
+
+  Returns tokens int32 [n, longest prompt] (right-padded), prompt_length int32 [n], a, b int32 [n].
   """
   rng = np.random.default_rng(seed)
   a = rng.integers(0, 100, size=n).astype(np.int32)
   b = rng.integers(0, 100, size=n).astype(np.int32)
-  tokens = np.array([addition_prompt(int(x), int(y)) for x, y in zip(a, b)], np.int32).reshape(n, PROMPT_LENGTH)
-  return {"tokens": tokens, "a": a, "b": b}
+  prompts = [addition_prompt(int(x), int(y), render) for x, y in zip(a, b)]
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  return {"tokens": _padded(prompts, int(lengths.max()), render.pad_id), "prompt_length": lengths, "a": a, "b": b}
 
 
-def addition_demonstrations(n: int, seed: int, *, p_scratch: float = 0.5,
-                            p_check: float = 0.5) -> dict[str, np.ndarray]:
+def addition_demonstrations(n: int, seed: int, *, p_scratch: float = 0.5, p_check: float = 0.5,
+                            render=COMPACT) -> dict[str, np.ndarray]:
   """n SFT demonstrations, prompt + correct completion, each block present with its probability.
 
-  Returns (deterministic given seed):
-    tokens           int32 [n, MAX_LENGTH]  prompt, completion, then PAD
-    completion_mask  float32 [n, MAX_LENGTH]  1 on completion tokens (EOS included): the
-                     SFT targets, i.e. weights = completion_mask[:, 1:] for targets tokens[:, 1:]
+  Returns (deterministic given seed; the prompts of `addition_prompts(n, seed)`):
+    tokens           int32 [n, longest prompt + MAX_COMPLETION_LENGTH]  prompt, completion, then PAD
+    completion_mask  float32 [n, ...]  1 on completion tokens (the stop included): the SFT
+                     targets, i.e. weights = completion_mask[:, 1:] for targets tokens[:, 1:]
     length           int32 [n]  prompt + completion tokens
     completion_length int32 [n]
     a, b             int32 [n]  the operands;  scratch, check  bool [n]  the blocks used
   """
   if not (0.0 <= p_scratch <= 1.0 and 0.0 <= p_check <= 1.0):
     raise ValueError(f"p_scratch={p_scratch} and p_check={p_check} must be probabilities")
-  prompts = addition_prompts(n, seed)
+  prompts = addition_prompts(n, seed, render)
   rng = np.random.default_rng([seed, 1])
   scratch = rng.random(n) < p_scratch
   check = rng.random(n) < p_check
-  tokens = np.full((n, MAX_LENGTH), PAD_ID, np.int32)
-  completion_mask = np.zeros((n, MAX_LENGTH), np.float32)
-  completion_length = np.zeros(n, np.int32)
+  rows, masks = [], []
   for j in range(n):
-    a, b = int(prompts["a"][j]), int(prompts["b"][j])
-    completion = addition_completion(a, b, scratch=bool(scratch[j]), check=bool(check[j]))
-    end = PROMPT_LENGTH + len(completion)
-    tokens[j, :end] = prompts["tokens"][j].tolist() + completion
-    completion_mask[j, PROMPT_LENGTH:end] = 1.0
-    completion_length[j] = len(completion)
-  return {"tokens": tokens, "completion_mask": completion_mask,
-          "length": completion_length + PROMPT_LENGTH, "completion_length": completion_length,
+    prompt = prompts["tokens"][j, :prompts["prompt_length"][j]].tolist()
+    completion = addition_completion(int(prompts["a"][j]), int(prompts["b"][j]), scratch=bool(scratch[j]),
+                                     check=bool(check[j]), render=render)
+    rows.append(prompt + completion)
+    masks.append([0.0] * len(prompt) + [1.0] * len(completion))
+  width = prompts["tokens"].shape[1] + MAX_COMPLETION_LENGTH
+  completion_mask = np.zeros((n, width), np.float32)
+  for j, mask in enumerate(masks):
+    completion_mask[j, :len(mask)] = mask
+  completion_length = completion_mask.sum(1).astype(np.int32)
+  return {"tokens": _padded(rows, width, render.pad_id), "completion_mask": completion_mask,
+          "length": completion_length + prompts["prompt_length"], "completion_length": completion_length,
           "a": prompts["a"], "b": prompts["b"], "scratch": scratch, "check": check}
 
 
-def _is_operand_block(tokens) -> bool:
-  """`d d + d d >`: the restated operands (their values are not graded)."""
-  return (len(tokens) == SCRATCH_LENGTH and all(t in DIGIT_IDS for t in tokens[0:2])
-          and tokens[2] == PLUS_ID and all(t in DIGIT_IDS for t in tokens[3:5]) and tokens[5] == THEN_ID)
+def parse_addition(completion, render=COMPACT) -> int | None:
+  """The answer in a generated completion (token ids after the prompt; anything after the
+  first stop token is ignored), or None if the completion is malformed or has no stop
+  (`parse_addition_text`'s grammar)."""
+  return parse_addition_text(render.completion_text(completion))
 
 
-def parse_addition(completion) -> int | None:
-  """The answer in a generated completion, or None if the completion is malformed.
-
-  completion: token ids generated after the prompt (anything after the first EOS is
-  ignored). Grammar: [scratch] answer [check] EOS, with scratch `d d + d d >`, answer
-  three digits (least significant first) and check `? d d + d d > d d d`. The contents
-  of scratch and check are not graded, only their form; a missing EOS (a truncated
-  generation) is malformed.
-  """
-  tokens = [int(t) for t in completion]
-  if EOS_ID not in tokens:
-    return None
-  tokens = tokens[:tokens.index(EOS_ID)]
-  if len(tokens) >= SCRATCH_LENGTH + ANSWER_LENGTH and _is_operand_block(tokens[:SCRATCH_LENGTH]):
-    tokens = tokens[SCRATCH_LENGTH:]
-  answer, rest = tokens[:ANSWER_LENGTH], tokens[ANSWER_LENGTH:]
-  if len(answer) != ANSWER_LENGTH or any(t not in DIGIT_IDS for t in answer):
-    return None
-  if rest and not (len(rest) == CHECK_LENGTH and rest[0] == CHECK_ID
-                   and _is_operand_block(rest[1:1 + SCRATCH_LENGTH])
-                   and all(t in DIGIT_IDS for t in rest[1 + SCRATCH_LENGTH:])):
-    return None
-  return sum((t - DIGIT_IDS[0]) * 10 ** k for k, t in enumerate(answer))
-
-
-def grade_addition(completions, a, b) -> dict:
+def grade_addition(completions, a, b, render=COMPACT) -> dict:
   """Rewards for a batch of generated completions: 1 if the parsed answer is a + b, else 0.
 
-  completions: int [n, T] generated tokens (PAD or anything after the first EOS);
+  completions: int [n, T] generated tokens (PAD or anything after the first stop token);
   a, b: int [n] the operands of each row's prompt. Returns
     reward      float32 [n]  1.0 correct, 0.0 wrong or unparsable
     correct     bool [n]
     unparsable  bool [n]     the completion did not follow the grammar (scored 0)
-    length      int32 [n]    completion tokens up to and including the first EOS (T if none)
+    length      int32 [n]    completion tokens up to and including the first stop (T if none)
     num_unparsable  int      unparsable.sum(), for the logs
   """
   completions = np.asarray(completions)
   a, b = np.asarray(a), np.asarray(b)
   if completions.ndim != 2 or not a.shape == b.shape == completions.shape[:1]:
     raise ValueError(f"completions {completions.shape} must be [n, T] with a {a.shape}, b {b.shape} [n]")
-  answers = [parse_addition(row) for row in completions]
+  answers = [parse_addition(row, render) for row in completions]
   unparsable = np.array([ans is None for ans in answers], bool)
   correct = np.array([ans is not None and ans == x + y for ans, x, y in zip(answers, a, b)], bool)
-  is_eos = completions == EOS_ID
-  length = np.where(is_eos.any(axis=1), is_eos.argmax(axis=1) + 1, completions.shape[1]).astype(np.int32)
+  is_stop = completions == render.stop_id
+  length = np.where(is_stop.any(axis=1), is_stop.argmax(axis=1) + 1, completions.shape[1]).astype(np.int32)
   return {"reward": correct.astype(np.float32), "correct": correct, "unparsable": unparsable,
           "length": length, "num_unparsable": int(unparsable.sum())}
 

@@ -34,28 +34,29 @@ from k25jax.train import config_utils, sharding, trainer as trainer_lib, warm_st
 
 # ---------------------------------------------------------------------------- the task
 class AdditionTask:
-  """Training pool and held-out prompts of the 2-digit addition task (`k25jax.rl.tasks`)."""
+  """Training pool and held-out prompts of the 2-digit addition task (`k25jax.rl.tasks`) in
+  the rendering `task.rendering` (chat: the K2.5 chat format; compact: 17 tokens)."""
 
-  tokenizer = tasks.AdditionTokenizer()
-  stop_tokens = (tasks.EOS_ID,)
   max_new_tokens = tasks.MAX_COMPLETION_LENGTH
 
   def __init__(self, config: ml_collections.ConfigDict):
-    held_out = tasks.addition_prompts(config.eval_prompts, seed=config.seed + 1)
+    self.render = tasks.rendering(config.rendering)
+    self.tokenizer = self.render.tokenizer
+    self.stop_tokens = (self.render.stop_id,)
+    held_out = tasks.addition_prompts(config.eval_prompts, seed=config.seed + 1, render=self.render)
     taken = set(zip(held_out["a"].tolist(), held_out["b"].tolist()))
-    pool = tasks.addition_prompts(4 * config.train_prompts, seed=config.seed)
+    pool = tasks.addition_prompts(4 * config.train_prompts, seed=config.seed, render=self.render)
     keep = [i for i, ab in enumerate(zip(pool["a"].tolist(), pool["b"].tolist())) if ab not in taken]
     keep = keep[:config.train_prompts]
     self.train = {k: v[keep] for k, v in pool.items()}
     self.eval = held_out
 
   def demonstrations(self, n: int, seed: int, p_scratch: float, p_check: float):
-    demos = tasks.addition_demonstrations(n, seed, p_scratch=p_scratch, p_check=p_check)
+    demos = tasks.addition_demonstrations(n, seed, p_scratch=p_scratch, p_check=p_check, render=self.render)
     return demos["tokens"], demos["completion_mask"], demos["length"]
 
-  @staticmethod
-  def grade(split: dict, rows: np.ndarray, completions: np.ndarray) -> dict:
-    return tasks.grade_addition(completions, split["a"][rows], split["b"][rows])
+  def grade(self, split: dict, rows: np.ndarray, completions: np.ndarray) -> dict:
+    return tasks.grade_addition(completions, split["a"][rows], split["b"][rows], self.render)
 
 
 TASKS = {"addition": AdditionTask}
@@ -73,11 +74,13 @@ def sampling_config(config, task) -> sampler.SamplingConfig:
 # ---------------------------------------------------------------------------- rollouts
 def sample(model_cfg, params, task, split: dict, rows: np.ndarray, k: int, rng, sampling) -> dict:
   """K samples for each prompt row (one sampler call), graded. Returns the sampler's arrays
-  with the prompts, plus grades."""
+  with the prompts (right-padded) and their lengths, plus grades."""
   prompts = np.repeat(split["tokens"][rows], k, axis=0)
-  out = decode.decode(model_cfg, params, list(prompts), rng, sampling, bucket_rows=False)
+  prompt_lengths = np.repeat(split["prompt_length"][rows], k)
+  out = decode.decode(model_cfg, params, [p[:n] for p, n in zip(prompts, prompt_lengths)], rng, sampling,
+                      bucket_rows=False)
   grades = task.grade(split, np.repeat(rows, k), out["tokens"])
-  return {"prompts": prompts, "prompt_lengths": np.full(len(prompts), prompts.shape[1], np.int32), **out, **grades}
+  return {"prompts": prompts, "prompt_lengths": prompt_lengths, **out, **grades}
 
 
 def evaluate(model_cfg, params, task, rng, sampling, k: int) -> dict:
@@ -188,6 +191,10 @@ def check(config) -> None:
   if config.task.name not in TASKS:
     raise ValueError(f"task.name={config.task.name!r}; choose from {sorted(TASKS)} (image tasks: configs/rl.py:vision, "
                      "the rl_vision stage)")
+  vocab = tasks.rendering(config.task.rendering).tokenizer.vocab_size
+  if config.model.vocab_size != vocab:
+    raise ValueError(f"model.vocab_size={config.model.vocab_size} but task.rendering={config.task.rendering!r} "
+                     f"has {vocab} token ids: the model's vocabulary is the rendering's")
   driver.check(config)
 
 
