@@ -22,7 +22,9 @@ needs a task with long answers.
 K2.5 model of configs/sft.py on image tasks (counting, locating, comparing, reading), the
 image in the prompt and the sandboxed Python tool available, from `init.checkpoint`
 (default runs/sft, the zero-vision SFT). Switch `no_tool` (`configs/rl.py:vision,no_tool`):
-the model must answer from the image alone.
+the model must answer from the image alone. `get_config("joint")`: the same stage and model
+on text and image tasks together (2-digit addition in the chat format beside the four image
+kinds), grouped by ability, with per-ability accuracy and length in the logs.
 
 Run length: `train.steps` RL iterations, each `rl.prompts_per_iteration` prompts ×
 `rl.num_generations` samples, then `rl.minibatches` updates.
@@ -31,7 +33,7 @@ import ml_collections
 
 from configs import common
 
-PRESETS = ("tiny", "k25", "vision")
+PRESETS = ("tiny", "k25", "vision", "joint")
 SWITCHES = ("toggle", "no_tool", "compact")
 
 TINY_MODEL = dict(vocab_size=common.CHAT_VOCAB_SIZE, hidden_size=64, intermediate_size=192, moe_intermediate_size=64,
@@ -43,8 +45,8 @@ COMPACT_VOCAB_SIZE = 17   # the addition task's compact rendering (k25jax.rl.tas
 
 def get_config(arg=None):
   preset, switches = common.preset_and_switches(arg, "configs/rl.py", PRESETS, SWITCHES)
-  if preset == "vision":
-    return vision_config(switches)
+  if preset in ("vision", "joint"):
+    return vision_config(preset, switches)
   if "no_tool" in switches:
     raise ValueError(f"configs/rl.py:{preset}: the no_tool switch is for the vision preset")
   if "compact" in switches and preset != "tiny":
@@ -92,9 +94,12 @@ def get_config(arg=None):
   return c
 
 
-def vision_config(switches: set) -> ml_collections.ConfigDict:
+def vision_config(preset: str, switches: set) -> ml_collections.ConfigDict:
   if "toggle" in switches:
-    raise ValueError("configs/rl.py:vision: the toggle switch is for the text task (Toggle is not wired for images)")
+    raise ValueError(f"configs/rl.py:{preset}: the toggle switch is for the text task (Toggle is not wired for "
+                     "the K2.5 model's tool rollouts)")
+  if "compact" in switches:
+    raise ValueError(f"configs/rl.py:{preset}: the compact switch is for the tiny preset")
   c = ml_collections.ConfigDict()
   c.stage = "rl_vision"
   c.model = common.k25_model_section("tiny", **common.TINY_CHAT_TEXT)
@@ -102,7 +107,8 @@ def vision_config(switches: set) -> ml_collections.ConfigDict:
   c.init.checkpoint = "runs/sft"       # a K2.5 workdir of the same model: configs/sft.py's
   c.task = ml_collections.ConfigDict(dict(
       train_prompts=512, eval_prompts=64, seed=0, image_size=56,
-      kinds="count,locate,compare,read"))   # comma-separated subset of k25jax.data.image_tasks.KINDS
+      kinds=("addition," if preset == "joint" else "") + "count,locate,compare,read"))
+  # task.kinds: a comma-separated subset of k25jax.stages.rl_vision.TASK_KINDS (addition is text only)
   c.rl = ml_collections.ConfigDict(dict(
       prompts_per_iteration=8, num_generations=8, minibatches=2,
       temperature=1.0, top_k=0, top_p=1.0,

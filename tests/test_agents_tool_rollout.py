@@ -10,7 +10,7 @@ from k25jax.data import chat, image_tasks, zero_vision
 from k25jax.data import vision as vision_data
 from k25jax.model import config as model_config
 from k25jax.model import k25, transformer
-from k25jax.rl import rollout, sampler
+from k25jax.rl import rollout, sampler, tasks as rl_tasks
 
 TOK = chat.ChatTokenizer()
 
@@ -89,7 +89,10 @@ def test_length_limit_stops_before_a_turn_that_cannot_fit(pool):
   assert t.finish == "length_limit" and len(t.tokens) + 20 > 80 and t.answer is None
 
 
-def test_sampled_logprobs_match_the_k25_training_path_over_several_turns(pool):
+@pytest.mark.parametrize("mixed", [False, True])
+def test_sampled_logprobs_match_the_k25_training_path_over_several_turns(pool, mixed):
+  """mixed: every other episode is a text-only addition task (no image, no media block),
+  as in joint RL: the sampler's and the training forward's media must still line up."""
   text = model_config.preset("tiny", vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64,
                              moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, n_routed_experts=4,
                              num_experts_per_tok=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
@@ -109,17 +112,21 @@ def test_sampled_logprobs_match_the_k25_training_path_over_several_turns(pool):
   scale = np.sqrt(32)   # RMSNorm(10 e_i) = sqrt(d) e_i
   lm["lm_head"] = lm["lm_head"].at[:, TOK.call_id].set(7 / scale * e0).at[:, TOK.end_id].set((6.5 * e0 + 8 * e1) / scale)
   tasks = image_tasks.make_tasks(8, seed=8, image_size=56)
-  items = [vision_data.preprocess_image(t.image) for t in tasks]
-  blocks = [vision_data.media_token_ids(m, TOK) for m in items]
+  if mixed:
+    tasks[::2] = rl_tasks.arithmetic_tasks(4, seed=8)
+  items = [vision_data.preprocess_image(t.image) if t.images else None for t in tasks]
+  blocks = [vision_data.media_token_ids(m, TOK) if m is not None else [] for m in items]
+  per_row = max(m.pixel_values.shape[0] for m in items if m is not None)
   banned = tool_rollout.banned_tokens(TOK)
   sampling = sampler.SamplingConfig(max_new_tokens=8, temperature=0.8, stop_tokens=(TOK.end_id,), banned_tokens=banned)
-  decode = tool_rollout.vision_decoder(cfg, params, sampling, lambda e: items[e], seed=3, min_rows=8)
+  decode = tool_rollout.vision_decoder(cfg, params, sampling, lambda e: items[e], seed=3, min_rows=8,
+                                       per_row=per_row)
   transcripts = tool_rollout.play(decode, TOK, tasks, pool, tool_rollout.RolloutConfig(
       max_turns=2, max_context=128, turn_tokens=8), media=blocks)
-  assert all(TOK.media.pad in t.tokens for t in transcripts)
+  assert [TOK.media.pad in t.tokens for t in transcripts] == [m is not None for m in items]
   assert max(t.turns for t in transcripts) == 2 and sum(t.calls for t in transcripts) >= 2
   rows = rollout.loss_rows(transcripts, seq_len=128, pad_id=TOK.pad_id)
-  pixels, layout = tool_rollout.media_batch(items, cfg, len(items))
+  pixels, layout = tool_rollout.media_batch(items, cfg, len(items), per_row)
   logits, _ = jax.jit(k25.K25(cfg).apply)({"params": params}, jnp.asarray(rows["inputs"]), jnp.asarray(pixels), layout)
   logp = rollout.token_logprobs(rollout.mask_banned(logits, banned), jnp.asarray(rows["targets"]), 0.8)
   np.testing.assert_allclose(np.where(rows["mask"] > 0, logp, 0.0), rows["old_logp"], atol=2e-5)

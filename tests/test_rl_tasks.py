@@ -4,6 +4,7 @@ import sys
 import numpy as np
 import pytest
 
+from k25jax.data import image_tasks
 from k25jax.rl import tasks
 
 TOK = tasks.AdditionTokenizer()
@@ -147,6 +148,22 @@ def test_chat_grader_treats_calls_role_tokens_and_truncation_as_unparsable():
   np.testing.assert_array_equal(out["reward"], [1, 0, 0, 0, 0, 0, 1])
   np.testing.assert_array_equal(out["unparsable"], [0, 0, 1, 1, 1, 1, 0])
   np.testing.assert_array_equal(out["length"], [4, 4, 5, 5, width, 5, 4])
+
+
+def test_arithmetic_chat_task_grades_every_correct_form_and_has_no_image():
+  task, = tasks.arithmetic_tasks(1, seed=0)
+  prompts = tasks.addition_prompts(1, seed=0)
+  assert (task.a, task.b) == (prompts["a"][0], prompts["b"][0]) and task.images == {}
+  assert task.question == tasks.addition_question(task.a, task.b)
+  for scratch in (False, True):
+    for check in (False, True):
+      assert task.grade(tasks.addition_answer_text(task.a, task.b, scratch=scratch, check=check))
+  assert task.grade(task.answer) and not task.grade(None) and not task.grade("999")
+  assert task.kind in tasks.ABILITIES
+
+
+def test_every_task_kind_has_an_ability():
+  assert set(tasks.ABILITIES) == {"addition", *image_tasks.KINDS}
 
 
 def test_unknown_rendering_is_refused():

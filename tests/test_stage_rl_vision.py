@@ -67,3 +67,39 @@ def test_vision_rl_needs_a_start_and_refuses_toggle():
     rl_vision.check(config)
   with pytest.raises(ValueError, match="toggle"):
     load_config("configs/rl.py", "vision,toggle")
+
+
+def test_joint_tasks_interleave_kinds_and_keep_text_tasks_imageless():
+  config = load_config("configs/rl.py", "joint")
+  assert rl_vision.parse_kinds(config.task.kinds)[0] == "addition"
+  split = rl_vision.TaskSplit.make(6, 0, config, chat.ChatTokenizer())
+  kinds = [t.kind for t in split.tasks]
+  assert kinds == [rl_vision.parse_kinds(config.task.kinds)[i % 5] for i in range(6)]
+  for task, item, block in zip(split.tasks, split.items, split.blocks):
+    assert (item is None) == (block == []) == (task.kind == "addition")
+  assert split.patches_per_row == max(m.pixel_values.shape[0] for m in split.items if m is not None)
+  with pytest.raises(ValueError, match="task.kinds"):
+    rl_vision.parse_kinds("addition,juggle")
+
+
+def test_joint_rl_mixes_text_and_image_tasks_and_logs_abilities(tmp_path):
+  """One run over addition (text only) and counting (an image): minibatches of one group each,
+  so some updates are text-only and some carry an image; accuracy and length per ability."""
+  config = _small(load_config("configs/rl.py", "joint"))
+  config.task.kinds = "addition,count"
+  config.rl.update(minibatches=2, num_generations=8)    # 8 rows a minibatch: one per host device
+  seed, n = config.train.seed, config.task.train_prompts
+  drawn = [np.random.default_rng([seed, it]).choice(n, config.rl.prompts_per_iteration, replace=False)
+           for it in range(config.train.steps)]
+  kinds = {"addition" if row % 2 == 0 else "count" for rows in drawn for row in rows}
+  assert kinds == {"addition", "count"}        # the drawn groups include both (even rows: addition)
+  config.init.checkpoint = _start(config, tmp_path)
+  state, history = rl_vision.run(config, str(tmp_path / "run"))
+  assert int(state.step) == config.train.steps * 2
+  train = [h for h in history if h["split"] == "train"]
+  assert all(np.isfinite(h["loss"]) for h in train)
+  evals = [h for h in history if h["split"] == "eval"]
+  for h in evals:
+    for ability in ("arithmetic", "visual_counting"):
+      assert 0.0 <= h[f"{ability}/accuracy"] <= 1.0 and h[f"{ability}/length"] > 0
+      assert 0.0 <= h[f"greedy_{ability}/accuracy"] <= 1.0

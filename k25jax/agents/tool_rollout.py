@@ -162,9 +162,9 @@ def play(decode: Decoder, tok: chat.ChatTokenizer, tasks: Sequence[image_tasks.I
 
 
 def summarize(transcripts: Sequence[ToolEpisode], tasks: Sequence[image_tasks.ImageTask]) -> dict[str, float]:
-  """accuracy, tool_call_success (calls that ran without error / calls; nan if none),
+  """accuracy (each task's `grade` of its episode's answer), per task kind too, tool_call_success (calls that ran without error / calls; nan if none),
   calls and turns per episode, length (generated tokens), and the share of each finish."""
-  correct = [image_tasks.grade(t.answer, task.answer) for t, task in zip(transcripts, tasks)]
+  correct = [task.grade(t.answer) for t, task in zip(transcripts, tasks)]
   calls = sum(t.calls for t in transcripts)
   out = {"accuracy": float(np.mean(correct)),
          "tool_call_success": (calls - sum(t.call_errors for t in transcripts)) / calls if calls else float("nan"),
@@ -173,10 +173,8 @@ def summarize(transcripts: Sequence[ToolEpisode], tasks: Sequence[image_tasks.Im
          "generated_tokens": float(np.mean([sum(t.loss_mask) for t in transcripts]))}
   for finish in FINISHES:
     out[f"finish/{finish}"] = float(np.mean([t.finish == finish for t in transcripts]))
-  for kind in image_tasks.KINDS:
-    chosen = [c for c, task in zip(correct, tasks) if task.kind == kind]
-    if chosen:
-      out[f"{kind}/accuracy"] = float(np.mean(chosen))
+  for kind in dict.fromkeys(task.kind for task in tasks):
+    out[f"{kind}/accuracy"] = float(np.mean([c for c, task in zip(correct, tasks) if task.kind == kind]))
   return out
 
 
@@ -198,13 +196,19 @@ def text_decoder(cfg: ModelConfig, params, sampling: sampler.SamplingConfig, see
   return decode_turns
 
 
-def media_batch(items: Sequence[vision_data.Media], cfg: K25Config, rows: int
-                ) -> tuple[np.ndarray, vision.PatchLayout]:
-  """Pixel values of `items` (one per row, in row order) zero-padded to `rows` × the largest
-  item's patches, and their PatchLayout padded alike (one compilation per row count)."""
-  pixels, grids = vision_data.pack_media(items)
-  per_row = max(m.pixel_values.shape[0] for m in items)
+def media_batch(items: Sequence[vision_data.Media | None], cfg: K25Config, rows: int, per_row: int | None = None
+                ) -> tuple[np.ndarray, vision.PatchLayout] | None:
+  """Pixel values of `items` (one per row, in row order; None for a row without an image)
+  zero-padded to `rows` × `per_row` patches (default: the largest item's), and their
+  PatchLayout padded alike (one compilation per row count). None when no row has an image."""
+  present = [m for m in items if m is not None]
+  if not present:
+    return None
+  pixels, grids = vision_data.pack_media(present)
+  per_row = per_row if per_row is not None else max(m.pixel_values.shape[0] for m in present)
   budget = rows * per_row
+  if len(pixels) > budget:
+    raise ValueError(f"the rows' images have {len(pixels)} patches, more than {rows} rows x {per_row}")
   padded = np.zeros((budget,) + pixels.shape[1:], np.float32)
   padded[:len(pixels)] = pixels
   kh, kw = cfg.vision.merge_kernel_size
@@ -218,20 +222,23 @@ def encode_media(params, pixel_values, layout: vision.PatchLayout, *, cfg: K25Co
 
 
 def vision_decoder(cfg: K25Config, params, sampling: sampler.SamplingConfig,
-                   media_of: Callable[[int], vision_data.Media], seed: int = 0, min_rows: int = 1) -> Decoder:
+                   media_of: Callable[[int], vision_data.Media | None], seed: int = 0, min_rows: int = 1,
+                   per_row: int | None = None) -> Decoder:
   """A Decoder over the K2.5 model: each context holds its episode's image block
-  (`media_of(episode)`); per round the vision tower encodes the images of the rows, and
-  the sampler splices the features into the placeholders at prefill."""
+  (`media_of(episode)`; None: a text-only episode, no block); per round the vision tower
+  encodes the images of the rows (`per_row` patches a row, `media_batch`), and the sampler
+  splices the features into the placeholders at prefill. A round without images decodes
+  text only."""
   rng = [jax.random.PRNGKey(seed)]
 
   def decode_turns(contexts, episodes):
     items = [media_of(e) for e in episodes]
 
     def media_for(prompts):
-      pixels, layout = media_batch(items, cfg, len(prompts))
       mask = media_lib.placeholder_mask(prompts, cfg.media_token_ids)
-      media_lib.check_placeholders(mask, [m.num_tokens for m in items])
-      return encode_media(params, pixels, layout, cfg=cfg), jnp.asarray(mask)
+      media_lib.check_placeholders(mask, [m.num_tokens for m in items if m is not None])
+      batch = media_batch(items, cfg, len(prompts), per_row)
+      return None if batch is None else (encode_media(params, *batch, cfg=cfg), jnp.asarray(mask))
 
     rng[0], key = jax.random.split(rng[0])
     return decode.turns(decode.decode(cfg.text, params[k25.LANGUAGE_MODEL], contexts, key, sampling,

@@ -73,6 +73,9 @@ class ImageTask:
   def images(self) -> dict[str, np.ndarray]:
     return {self.image_name: self.image}
 
+  def grade(self, answer: str | None) -> bool:
+    return grade(answer, self.answer)
+
 
 # ------------------------------------------------------------------------------ drawing
 Rect = tuple[int, int, int, int]   # (y0, x0, y1, x1), half-open

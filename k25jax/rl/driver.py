@@ -29,7 +29,7 @@ from absl import logging
 
 from k25jax import losses
 from k25jax.rl import policy_loss
-from k25jax.train import loop, optimizer, sharding, trainer as trainer_lib
+from k25jax.train import loop, multimodal, optimizer, sharding, trainer as trainer_lib
 
 
 @dataclasses.dataclass
@@ -83,10 +83,16 @@ def train(trainer, state, config: ml_collections.ConfigDict, *, collect: Callabl
   """Runs iterations from the state's to `train.steps` (module docstring). `banned` ids are
   outside the sampler's distribution (and so outside log π); `batch_specs` / `to_device`
   lay out minibatches with media. Returns (state, history): a row per iteration
-  ({"iteration", "split": "train", update and stage metrics}) and per evaluation. The stage
+  ({"iteration", "split": "train", update and stage metrics}) and per evaluation. With media
+  in `batch_specs`, a minibatch without `pixel_values` takes a text-only update (its own
+  compilation). The stage
   has `check`ed the config before its setup."""
   rl, schedule = config.rl, config.train
   train_step = update_step(config, trainer.model, trainer.tx, banned=banned, batch_specs=batch_specs)
+  if batch_specs is not None and set(multimodal.MEDIA) & set(batch_specs):   # text-only minibatches too
+    text_specs = {name: spec for name, spec in batch_specs.items() if name not in multimodal.MEDIA}
+    train_step = multimodal.media_step(
+        train_step, update_step(config, trainer.model, trainer.tx, banned=banned, batch_specs=text_specs))
   if to_device is None:
     rows_sharding = sharding.batch_sharding(trainer.mesh)
     to_device = lambda rows, rollouts, part: sharding.global_batch(rows, rows_sharding)

@@ -30,6 +30,7 @@ scores 0 and is flagged, and graders return the count, so the RL stage can log i
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Sequence
 
@@ -216,7 +217,8 @@ def addition_prompts(n: int, seed: int, render=COMPACT) -> dict[str, np.ndarray]
   b = rng.integers(0, 100, size=n).astype(np.int32)
   prompts = [addition_prompt(int(x), int(y), render) for x, y in zip(a, b)]
   lengths = np.array([len(p) for p in prompts], np.int32)
-  return {"tokens": _padded(prompts, int(lengths.max()), render.pad_id), "prompt_length": lengths, "a": a, "b": b}
+  return {"tokens": _padded(prompts, int(lengths.max(initial=0)), render.pad_id), "prompt_length": lengths,
+          "a": a, "b": b}
 
 
 def addition_demonstrations(n: int, seed: int, *, p_scratch: float = 0.5, p_check: float = 0.5,
@@ -283,6 +285,47 @@ def grade_addition(completions, a, b, render=COMPACT) -> dict:
   length = np.where(is_stop.any(axis=1), is_stop.argmax(axis=1) + 1, completions.shape[1]).astype(np.int32)
   return {"reward": correct.astype(np.float32), "correct": correct, "unparsable": unparsable,
           "length": length, "num_unparsable": int(unparsable.sum())}
+
+
+# --- 2-digit addition as a chat task (joint RL) ------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ArithmeticTask:
+  """One addition question as a chat task beside the image tasks (`k25jax.data.image_tasks`):
+  the user message is `addition_question(a, b)`, an answer turn is graded by
+  `parse_addition_text` (any of the four correct forms scores). No image."""
+
+  a: int
+  b: int
+  kind: str = "addition"
+
+  @property
+  def question(self) -> str:
+    return addition_question(self.a, self.b)
+
+  @property
+  def answer(self) -> str:
+    """The shortest correct answer (the bare sum, least-significant digit first)."""
+    return addition_answer_text(self.a, self.b, scratch=False, check=False)
+
+  @property
+  def images(self) -> dict[str, np.ndarray]:
+    return {}
+
+  def grade(self, answer: str | None) -> bool:
+    return parse_addition_text(answer) == self.a + self.b
+
+
+def arithmetic_tasks(n: int, seed: int) -> list[ArithmeticTask]:
+  """n addition tasks, the operands of `addition_prompts(n, seed)`."""
+  prompts = addition_prompts(n, seed)
+  return [ArithmeticTask(int(a), int(b)) for a, b in zip(prompts["a"], prompts["b"])]
+
+
+# The abilities joint RL groups its tasks by (what a task asks for, not its modality): a task
+# kind (`ArithmeticTask.kind`, `k25jax.data.image_tasks.KINDS`) → its ability.
+ABILITIES = {"addition": "arithmetic", "count": "visual_counting", "read": "visual_reading",
+             "locate": "visual_spatial", "compare": "visual_spatial"}
 
 
 # --- reasoning-gym tasks ---------------------------------------------------------------

@@ -1,22 +1,28 @@
-"""Vision RL: the K2.5 policy loss on image tasks, the image in the prompt, with or without the Python tool.
+"""Joint RL of the K2.5 model: the K2.5 policy loss on text and image tasks grouped by ability,
+with or without the Python tool.
 
-Per iteration i, for P tasks x (an image and a question: counting, locating, comparing,
-reading; `k25jax.data.image_tasks`) and K episodes each (`k25jax.rl.driver` does the rest):
+Per iteration i, for P tasks x of `task.kinds` (image tasks: counting, locating, comparing,
+reading, `k25jax.data.image_tasks`; text tasks: 2-digit addition, `tasks.ArithmeticTask`)
+and K episodes each (`k25jax.rl.driver` does the rest):
 
-    prompt   = BOS <|user|> <|media_begin|>image<|media_content|> N×<|media_pad|> <|media_end|>
-               question <|end|> <|assistant|>              (the K2.5 model sees the image)
+    prompt   = BOS <|user|> [<|media_begin|>image<|media_content|> N×<|media_pad|> <|media_end|>]
+               question <|end|> <|assistant|>              (an image task: the model sees the image)
     episode  = multi-turn rollout under π_old (`k25jax.agents.tool_rollout`): with the tool
-               (`rl.tool`), the model's code runs in a sandbox session holding the image;
-               without it, a call gets an error observation and the model must answer itself
-    r_j      = 1[answer_j = ground truth]
+               (`rl.tool`), the model's code runs in a sandbox session holding the task's
+               images; without it, a call gets an error observation and the model must answer itself
+    r_j      = 1[task.grade(answer_j)]                     (exact answer; addition: any correct form)
     A_j      = r_j − mean_k r_k,  θ ← θ − η ∇ L_K2.5(θ)  over the generated tokens only (tool
                outputs and the prompt are context), log π_θ from the K2.5 forward with the
-               same image, over the tokens the sampler may draw
+               same images (a minibatch without any: the text-only forward), over the tokens
+               the sampler may draw
 
-The start is a K2.5 checkpoint (`init.checkpoint`): the zero-vision SFT's, a text+vision
-SFT's, or joint pre-training's (no SFT). Held-out evaluation: sampled accuracy (the
-training temperature, `rl.eval_samples` per task) and greedy accuracy, with the tool-call
-success rate and calls per episode.
+The tasks are grouped by ability, not modality (`tasks.ABILITIES`: arithmetic,
+visual_counting, visual_reading, visual_spatial); accuracy and generated length are logged
+per ability, in training and in the held-out evaluation. The start is a K2.5 checkpoint
+(`init.checkpoint`): the zero-vision SFT's, a text+vision SFT's, or joint pre-training's
+(no SFT). Held-out evaluation: sampled accuracy (the training temperature,
+`rl.eval_samples` per task) and greedy accuracy, with the tool-call success rate and calls
+per episode.
 """
 from __future__ import annotations
 
@@ -30,47 +36,85 @@ from k25jax.data import chat, image_tasks
 from k25jax.data import vision as vision_data
 from k25jax.model import k25
 from k25jax.model.config import K25Config
-from k25jax.rl import driver, rollout, sampler
+from k25jax.rl import driver, rollout, sampler, tasks
 from k25jax.train import config_utils, multimodal, sharding, trainer as trainer_lib
 
 ROW_FEATURES = ("inputs", "targets", "positions", "segment_ids", "mask", "old_logp", "advantages", "rewards")
 
 
 # ---------------------------------------------------------------------------- the tasks
+TASK_KINDS = ("addition",) + image_tasks.KINDS      # addition: text only (`tasks.ArithmeticTask`)
+
+
+def parse_kinds(text: str) -> tuple[str, ...]:
+  """The task kinds of `task.kinds` (comma-separated, a subset of TASK_KINDS)."""
+  names = tuple(k.strip() for k in text.split(",") if k.strip())
+  if not names or set(names) - set(TASK_KINDS):
+    raise ValueError(f"task.kinds={text!r}; a comma-separated subset of {TASK_KINDS}")
+  return names
+
+
+def make_tasks(n: int, seed: int, kinds: tuple[str, ...], image_size: int) -> list:
+  """n tasks, kinds in turn (task i has kind kinds[i % len(kinds)]); the image tasks are
+  `image_tasks.make_tasks` of the image kinds, the addition tasks `tasks.arithmetic_tasks`."""
+  picks = [kinds[i % len(kinds)] for i in range(n)]
+  image_kinds = tuple(k for k in kinds if k != "addition")
+  images = iter(image_tasks.make_tasks(sum(k != "addition" for k in picks), seed, image_size, image_kinds)
+                if image_kinds else [])
+  sums = iter(tasks.arithmetic_tasks(picks.count("addition"), seed))
+  return [next(sums) if kind == "addition" else next(images) for kind in picks]
+
+
 @dataclasses.dataclass
 class TaskSplit:
-  """Tasks with their preprocessed images and the prompts' media blocks."""
+  """Tasks with their preprocessed images and the prompts' media blocks (None and no block
+  for a text-only task)."""
 
-  tasks: list[image_tasks.ImageTask]
-  items: list[vision_data.Media]
+  tasks: list
+  items: list[vision_data.Media | None]
   blocks: list[list[int]]
 
   @classmethod
   def make(cls, n: int, seed: int, config, tok: chat.ChatTokenizer) -> "TaskSplit":
-    tasks = image_tasks.make_tasks(n, seed, config.task.image_size,
-                                   image_tasks.parse_kinds(config.task.kinds, "task.kinds"))
-    items = [vision_data.preprocess_image(t.image) for t in tasks]
-    return cls(tasks, items, [vision_data.media_token_ids(m, tok) for m in items])
+    made = make_tasks(n, seed, parse_kinds(config.task.kinds), config.task.image_size)
+    items = [vision_data.preprocess_image(t.image) if t.images else None for t in made]
+    return cls(made, items, [vision_data.media_token_ids(m, tok) if m is not None else [] for m in items])
 
   def take(self, rows) -> "TaskSplit":
     return TaskSplit([self.tasks[r] for r in rows], [self.items[r] for r in rows], [self.blocks[r] for r in rows])
 
+  @property
+  def patches_per_row(self) -> int:
+    """The largest image's patches (every row's media budget), 1 when no task has an image."""
+    return max([m.pixel_values.shape[0] for m in self.items if m is not None], default=1)
 
-def play(config, model_cfg: K25Config, params, tok, pool, split: TaskSplit, *, temperature: float, seed: int):
+
+def ability_metrics(transcripts, split_tasks) -> dict[str, float]:
+  """Accuracy and generated tokens per ability (`tasks.ABILITIES`) of the episodes."""
+  out = {}
+  for ability in dict.fromkeys(tasks.ABILITIES[t.kind] for t in split_tasks):
+    chosen = [(e, t) for e, t in zip(transcripts, split_tasks) if tasks.ABILITIES[t.kind] == ability]
+    out[f"{ability}/accuracy"] = float(np.mean([t.grade(e.answer) for e, t in chosen]))
+    out[f"{ability}/length"] = float(np.mean([sum(e.loss_mask) for e, _ in chosen]))
+  return out
+
+
+def play(config, model_cfg: K25Config, params, tok, pool, split: TaskSplit, *, temperature: float, seed: int,
+         per_row: int):
   """One episode per task of `split` (with the tool if `rl.tool`)."""
   r = config.rl
   sampling = sampler.SamplingConfig(max_new_tokens=r.turn_tokens, temperature=temperature, top_k=r.top_k,
                                     top_p=r.top_p, stop_tokens=(tok.end_id,), pad_id=tok.pad_id,
                                     banned_tokens=tool_rollout.banned_tokens(tok))
   decode = tool_rollout.vision_decoder(model_cfg, params, sampling, lambda e: split.items[e], seed,
-                                       min_rows=pool.max_sessions)
+                                       min_rows=pool.max_sessions, per_row=per_row)
   rollout_config = tool_rollout.RolloutConfig(max_turns=r.max_turns, max_context=r.max_context,
                                               turn_tokens=r.turn_tokens, tool=r.tool,
                                               output_chars=config.sandbox.output_chars)
   return tool_rollout.play(decode, tok, split.tasks, pool, rollout_config, media=split.blocks)
 
 
-def collector(config, model_cfg: K25Config, tok, pool, split: TaskSplit):
+def collector(config, model_cfg: K25Config, tok, pool, split: TaskSplit, per_row: int):
   """collect(params, i): iteration i's P tasks × K episodes, graded, as loss rows with their images."""
   r, k, seed = config.rl, config.rl.num_generations, config.train.seed
 
@@ -78,31 +122,36 @@ def collector(config, model_cfg: K25Config, tok, pool, split: TaskSplit):
     rows = np.random.default_rng([seed, it]).choice(len(split.tasks), r.prompts_per_iteration, replace=False)
     episodes = split.take(np.repeat(rows, k))
     transcripts = play(config, model_cfg, params, tok, pool, episodes, temperature=r.temperature,
-                       seed=seed * 7919 + it)
-    reward = np.array([image_tasks.grade(t.answer, task.answer) for t, task in zip(transcripts, episodes.tasks)],
-                      np.float32)
+                       seed=seed * 7919 + it, per_row=per_row)
+    reward = np.array([task.grade(t.answer) for t, task in zip(transcripts, episodes.tasks)], np.float32)
     return driver.Rollouts(rollout.loss_rows(transcripts, r.max_context, tok.pad_id), reward,
-                           {"reward": float(reward.mean()), **tool_rollout.summarize(transcripts, episodes.tasks)},
+                           {"reward": float(reward.mean()), **tool_rollout.summarize(transcripts, episodes.tasks),
+                            **ability_metrics(transcripts, episodes.tasks)},
                            media=episodes.items)
   return collect
 
 
-def device_minibatch(rows: dict, items, model_cfg: K25Config, mesh) -> dict:
-  """Rows over the batch axes; their images (one per row, in row order) padded to one item per
-  row and replicated."""
-  pixels, layout = tool_rollout.media_batch(items, model_cfg, len(items))
-  return multimodal.to_device({**rows, "pixel_values": pixels, "layout": layout}, mesh)
+def device_minibatch(rows: dict, items, model_cfg: K25Config, mesh, per_row: int) -> dict:
+  """Rows over the batch axes; their images (one per row at most, in row order) padded to
+  `per_row` patches a row and replicated; a minibatch without images, the rows alone."""
+  media = tool_rollout.media_batch(items, model_cfg, len(items), per_row)
+  return multimodal.to_device(rows if media is None else {**rows, "pixel_values": media[0], "layout": media[1]},
+                              mesh)
 
 
-def evaluate(config, model_cfg, params, tok, pool, split: TaskSplit) -> dict[str, float]:
-  """Sampled (rl.eval_samples per task, training temperature) and greedy held-out metrics."""
+def evaluate(config, model_cfg, params, tok, pool, split: TaskSplit, per_row: int) -> dict[str, float]:
+  """Sampled (rl.eval_samples per task, training temperature) and greedy held-out metrics,
+  overall and per ability."""
   k = config.rl.eval_samples
   repeated = split.take(np.repeat(np.arange(len(split.tasks)), k))
   sampled = play(config, model_cfg, params, tok, pool, repeated, temperature=config.rl.temperature,
-                 seed=config.train.seed + 1)
-  greedy = play(config, model_cfg, params, tok, pool, split, temperature=0.0, seed=config.train.seed + 1)
-  out = tool_rollout.summarize(sampled, repeated.tasks)
+                 seed=config.train.seed + 1, per_row=per_row)
+  greedy = play(config, model_cfg, params, tok, pool, split, temperature=0.0, seed=config.train.seed + 1,
+                per_row=per_row)
+  out = {**tool_rollout.summarize(sampled, repeated.tasks), **ability_metrics(sampled, repeated.tasks)}
   out["greedy_accuracy"] = tool_rollout.summarize(greedy, split.tasks)["accuracy"]
+  out.update({f"greedy_{name}": v for name, v in ability_metrics(greedy, split.tasks).items()
+              if name.endswith("/accuracy")})
   return out
 
 
@@ -123,14 +172,15 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   mesh = sharding.make_mesh(config.mesh.to_dict())
   train_split = TaskSplit.make(config.task.train_prompts, config.task.seed, config, tok)
   eval_split = TaskSplit.make(config.task.eval_prompts, config.task.seed + 1, config, tok)
+  per_row = max(train_split.patches_per_row, eval_split.patches_per_row)
   with tool_rollout.sandbox_pool(config.sandbox) as pool, \
       trainer_lib.Trainer.for_config(config, workdir, model, driver.make_optimizer(config), mesh) as trainer:
     state = trainer.start(config.init)
     return driver.train(
-        trainer, state, config, collect=collector(config, model.cfg, tok, pool, train_split),
-        evaluate=lambda params: evaluate(config, model.cfg, params, tok, pool, eval_split),
+        trainer, state, config, collect=collector(config, model.cfg, tok, pool, train_split, per_row),
+        evaluate=lambda params: evaluate(config, model.cfg, params, tok, pool, eval_split, per_row),
         name="rl_vision", log_keys=("reward", "tool_call_success", "calls_per_episode", "loss", "sample_s", "train_s"),
         eval_keys=("accuracy", "greedy_accuracy", "tool_call_success", "calls_per_episode", "generated_tokens"),
         summary_keys=("accuracy", "greedy_accuracy", "tool_call_success"), banned=tool_rollout.banned_tokens(tok),
         batch_specs=multimodal.batch_specs(True, ROW_FEATURES),
-        to_device=lambda rows, rollouts, part: device_minibatch(rows, rollouts.media[part], model.cfg, mesh))
+        to_device=lambda rows, rollouts, part: device_minibatch(rows, rollouts.media[part], model.cfg, mesh, per_row))
