@@ -11,7 +11,10 @@ copying the image name and the tool's output into place is learnt late, around s
 
 Switch `visual` (`configs/sft.py:tiny,visual`): adds visual SFT data (image + question →
 direct answer) for the text+vision comparison. `--config.init.checkpoint=DIR` starts
-from a K2.5 workdir of the same model (e.g. joint pre-training's).
+from a K2.5 workdir of the same model (e.g. joint pre-training's). Switch `arithmetic`
+(`configs/sft.py:tiny,arithmetic`): adds 3,000 2-digit addition conversations in the chat
+format, the text ability of joint RL (`configs/rl.py:joint`), with a held-out arithmetic
+evaluation.
 """
 import ml_collections
 
@@ -19,7 +22,7 @@ from configs import common
 
 
 def get_config(arg=None):
-  preset, switches = common.preset_and_switches(arg, "configs/sft.py", ("tiny",), ("visual",))
+  preset, switches = common.preset_and_switches(arg, "configs/sft.py", ("tiny",), ("visual", "arithmetic"))
   c = ml_collections.ConfigDict()
   c.stage = "sft"
   c.model = common.k25_model_section(preset, **common.TINY_CHAT_TEXT)
@@ -31,7 +34,8 @@ def get_config(arg=None):
       p_two_calls=0.25,                    # share of trajectories whose program takes two tool calls
       max_length=320,                      # tokens per trajectory (the longest are ~275)
       visual_sft="visual" in switches,     # add image + question → answer examples (text+vision SFT)
-      visual_examples=3000))
+      visual_examples=3000,
+      arithmetic_examples=3000 if "arithmetic" in switches else 0))   # 2-digit addition chats (joint RL's text)
 
   c.train = ml_collections.ConfigDict(dict(
       steps=1000, batch=16, visual_batch=8, seed=0, log_every=50, checkpoint_every=200, keep_checkpoints=2,

@@ -6,6 +6,7 @@ from config_files import load_config
 
 from k25jax.data import chat, image_tasks, zero_vision
 from k25jax.model import media
+from k25jax.rl import tasks as rl_tasks
 from k25jax.stages import sft
 from k25jax.train import config_utils
 
@@ -55,3 +56,28 @@ def test_short_run_trains_evaluates_and_resumes(tmp_path):
   config.train.steps = 14
   resumed, _ = sft.run(config, str(tmp_path))
   assert int(resumed.step) == 14 and os.path.getmtime(tmp_path / data_files[0]) == stamp
+
+
+def test_arithmetic_examples_are_chat_sums_and_held_out_sums_are_unseen():
+  config = _small(load_config("configs/sft.py", "tiny,arithmetic"))
+  config.data.arithmetic_examples = 64
+  tok = chat.ChatTokenizer()
+  sums = sft.arithmetic_examples(config, tok)
+  assert sums["tokens"].shape == (64, config.data.max_length)
+  for tokens, mask, a, b in zip(sums["tokens"], sums["loss_mask"], sums["a"], sums["b"]):
+    assert tok.decode(tokens[:10]) == f"<|user|>{a:02d}+{b:02d}=<|end|><|assistant|>"
+    answer = tok.decode(tokens[mask == 1])
+    assert answer.endswith("<|end|>") and rl_tasks.parse_addition_text(answer[:-len("<|end|>")]) == a + b
+  seen = set(zip(sums["a"].tolist(), sums["b"].tolist()))
+  held_out = sft.held_out_arithmetic(config, seen)
+  assert len(held_out) == config.eval.tasks and not {(t.a, t.b) for t in held_out} & seen
+
+
+def test_run_with_arithmetic_evaluates_held_out_sums(tmp_path):
+  config = _small(load_config("configs/sft.py", "tiny,arithmetic"))
+  config.data.arithmetic_examples = 32
+  config.train.update(steps=2, checkpoint_every=2)
+  config.optimizer.update(warmup_steps=1, decay_steps=1)
+  _, results = sft.run(config, str(tmp_path))
+  assert set(results) == {"text_tool", "arithmetic"}
+  assert 0.0 <= results["arithmetic"]["accuracy"] <= 1.0 and "addition/accuracy" in results["arithmetic"]

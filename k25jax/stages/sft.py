@@ -3,11 +3,13 @@
     data   = zero_vision.dataset(...)     question → tool calls (code run in the sandbox) → tool
                                           outputs → answer; loss mask 1 on the assistant's tokens
            (+ data.visual_sft: image + question → direct answer, the text+vision comparison)
+           (+ data.arithmetic_examples: 2-digit addition conversations, the text ability of joint RL)
     θ_0    = init.checkpoint's K2.5 params (e.g. the joint pre-training's), or a fresh init
     θ      ← SFT:  L = Σ_t w_t CE(x_{t+1}) / Σ_t w_t   over packed rows (k25jax.data.packing)
     eval   = multi-turn rollouts with the real sandbox on held-out tasks (k25jax.agents.tool_rollout):
              text only with the tool (the zero-vision setting), and with the image in the
-             prompt, with and without the tool: tool-call success rate and answer accuracy
+             prompt, with and without the tool: tool-call success rate and answer accuracy;
+             with arithmetic examples, greedy accuracy on held-out sums (operands no example had)
 
 The model is the K2.5 model; without visual data only the language model gets gradients.
 Trajectories are generated once and kept in the workdir (`sft_data_<fingerprint>.npz`),
@@ -29,7 +31,7 @@ from k25jax.data import chat, image_tasks, packing, zero_vision
 from k25jax.data import vision as vision_data
 from k25jax.model import k25
 from k25jax.model.config import K25Config
-from k25jax.rl import sampler
+from k25jax.rl import sampler, tasks as rl_tasks
 from k25jax.train import config_utils, multimodal, objective, optimizer, sharding, trainer as trainer_lib
 
 FEATURES = tuple(name for name, _ in packing.FEATURES)
@@ -66,6 +68,28 @@ def visual_examples(config, tok: chat.ChatTokenizer) -> tuple[dict[str, np.ndarr
             chat.Message("assistant", t.answer)] for t, m in zip(tasks, items)]
   width = max(len(chat.render(tok, c)[0]) for c in convs)
   return zero_vision.encode(tok, convs, width), items
+
+
+ARITHMETIC_SEED_OFFSET = 104729   # the addition demonstrations' seed: data.seed + this
+
+
+def arithmetic_examples(config, tok: chat.ChatTokenizer) -> dict[str, np.ndarray]:
+  """data.arithmetic_examples 2-digit addition conversations in the chat format (the user asks
+  `57+68=`, the assistant answers in one of the task's four correct forms; `k25jax.rl.tasks`),
+  right-padded to data.max_length like the trajectories."""
+  d = config.data
+  demos = rl_tasks.addition_demonstrations(d.arithmetic_examples, d.seed + ARITHMETIC_SEED_OFFSET,
+                                           render=rl_tasks.ChatRendering(tok))
+  width = demos["tokens"].shape[1]
+  pad = lambda x, value: np.pad(x, ((0, 0), (0, d.max_length - width)), constant_values=value)
+  return {"tokens": pad(demos["tokens"], tok.pad_id), "loss_mask": pad(demos["completion_mask"], 0.0),
+          "length": demos["length"], "a": demos["a"], "b": demos["b"]}
+
+
+def held_out_arithmetic(config, seen: set) -> list[rl_tasks.ArithmeticTask]:
+  """eval.tasks addition tasks whose operands no demonstration had."""
+  pool = rl_tasks.arithmetic_tasks(4 * config.eval.tasks, config.eval.seed)
+  return [t for t in pool if (t.a, t.b) not in seen][:config.eval.tasks]
 
 
 class Batches:
@@ -139,19 +163,24 @@ def play(config, model_cfg: K25Config, params, tok, pool, tasks, *, image: bool,
                            media=[vision_data.media_token_ids(m, tok) for m in items])
 
 
-def evaluate(config, model_cfg: K25Config, params, tok, pool) -> dict[str, dict]:
-  """Greedy rollouts on `eval.tasks` held-out tasks in each of SETTINGS (`eval.settings`)."""
+def evaluate(config, model_cfg: K25Config, params, tok, pool, arithmetic: list | None = None) -> dict[str, dict]:
+  """Greedy rollouts on `eval.tasks` held-out image tasks in each of SETTINGS (`eval.settings`),
+  and on the held-out `arithmetic` tasks (text, tool on) when given."""
   e = config.eval
-  tasks = image_tasks.make_tasks(e.tasks, e.seed, config.data.image_size, kinds(config))
+  image_set = image_tasks.make_tasks(e.tasks, e.seed, config.data.image_size, kinds(config))
   out = {}
   for name in e.settings.split(","):
     name = name.strip()
     if name not in SETTINGS:
       raise ValueError(f"eval.settings names {name!r}; choose from {tuple(SETTINGS)}")
     image, tool = SETTINGS[name]
-    transcripts = play(config, model_cfg, params, tok, pool, tasks, image=image, tool=tool, temperature=0.0,
+    transcripts = play(config, model_cfg, params, tok, pool, image_set, image=image, tool=tool, temperature=0.0,
                        seed=e.seed)
-    out[name] = tool_rollout.summarize(transcripts, tasks)
+    out[name] = tool_rollout.summarize(transcripts, image_set)
+  if arithmetic:
+    transcripts = play(config, model_cfg, params, tok, pool, arithmetic, image=False, tool=True, temperature=0.0,
+                       seed=e.seed)
+    out["arithmetic"] = tool_rollout.summarize(transcripts, arithmetic)
   return out
 
 
@@ -190,9 +219,14 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   with tool_rollout.sandbox_pool(config.sandbox) as pool, \
       trainer_lib.Trainer.for_config(config, workdir, model, tx, mesh) as trainer:
     text = trajectories(config, tok, pool, workdir)
+    arithmetic = None
+    if config.data.arithmetic_examples:
+      sums = arithmetic_examples(config, tok)
+      text = {name: np.concatenate([text[name], sums[name]]) for name in ("tokens", "loss_mask", "length")}
+      arithmetic = held_out_arithmetic(config, set(zip(sums["a"].tolist(), sums["b"].tolist())))
     visual = visual_examples(config, tok) if config.data.visual_sft else None
     batches = Batches(config, model.cfg, text, visual)
-    logging.info("sft: %d zero-vision trajectories (%.0f tokens each, %.0f under the loss) in %d packed rows%s",
+    logging.info("sft: %d conversations (%.0f tokens each, %.0f under the loss) in %d packed rows%s",
                  len(text["tokens"]), text["length"].mean(), text["loss_mask"].sum(1).mean(),
                  len(batches.text["inputs"]), f"; {len(visual[1])} visual examples" if visual is not None else "")
     state = trainer.start(config.init)
@@ -203,7 +237,7 @@ def run(config: ml_collections.ConfigDict, workdir: str):
     rows = config.train.batch + (config.train.visual_batch if visual is not None else 0)
     state, _ = trainer.fit(state, step, lambda n: multimodal.to_device(batches(n), mesh), config.train,
                            tokens_per_step=rows * batches.width)
-    results = evaluate(config, model.cfg, state.params, tok, pool)
+    results = evaluate(config, model.cfg, state.params, tok, pool, arithmetic)
     for name, r in results.items():
       trainer.writer.write(config.train.steps, r, f"eval/{name}")
   if jax.process_index() == 0:
