@@ -173,6 +173,7 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   train_split = TaskSplit.make(config.task.train_prompts, config.task.seed, config, tok)
   eval_split = TaskSplit.make(config.task.eval_prompts, config.task.seed + 1, config, tok)
   per_row = max(train_split.patches_per_row, eval_split.patches_per_row)
+  by_ability = [f"{ability}/accuracy" for ability in dict.fromkeys(tasks.ABILITIES[t.kind] for t in eval_split.tasks)]
   with tool_rollout.sandbox_pool(config.sandbox) as pool, \
       trainer_lib.Trainer.for_config(config, workdir, model, driver.make_optimizer(config), mesh) as trainer:
     state = trainer.start(config.init)
@@ -180,7 +181,9 @@ def run(config: ml_collections.ConfigDict, workdir: str):
         trainer, state, config, collect=collector(config, model.cfg, tok, pool, train_split, per_row),
         evaluate=lambda params: evaluate(config, model.cfg, params, tok, pool, eval_split, per_row),
         name="rl_vision", log_keys=("reward", "tool_call_success", "calls_per_episode", "loss", "sample_s", "train_s"),
-        eval_keys=("accuracy", "greedy_accuracy", "tool_call_success", "calls_per_episode", "generated_tokens"),
-        summary_keys=("accuracy", "greedy_accuracy", "tool_call_success"), banned=tool_rollout.banned_tokens(tok),
+        eval_keys=("accuracy", "greedy_accuracy", "tool_call_success", "calls_per_episode", "generated_tokens",
+                   *by_ability),
+        summary_keys=("accuracy", "greedy_accuracy", "tool_call_success", *by_ability),
+        banned=tool_rollout.banned_tokens(tok),
         batch_specs=multimodal.batch_specs(True, ROW_FEATURES),
         to_device=lambda rows, rollouts, part: device_minibatch(rows, rollouts.media[part], model.cfg, mesh, per_row))

@@ -185,12 +185,13 @@ def evaluate(config, model_cfg: K25Config, params, tok, pool, arithmetic: list |
 
 
 def print_summary(results: dict[str, dict], n_tasks: int) -> None:
-  print(f"\nSFT summary: {n_tasks} held-out image tasks, greedy rollouts with the sandboxed Python tool")
+  print(f"\nSFT summary: {n_tasks} held-out tasks a setting, greedy rollouts with the sandboxed Python tool")
+  kinds_shown = image_tasks.KINDS + (("addition",) if "arithmetic" in results else ())
   print(f"{'setting':16s} {'accuracy':>9s} {'tool-call success':>18s} {'calls/episode':>14s} "
-        + " ".join(f"{k:>8s}" for k in image_tasks.KINDS))
+        + " ".join(f"{k:>8s}" for k in kinds_shown))
   for name, r in results.items():
     print(f"{name:16s} {r['accuracy']:9.3f} {r['tool_call_success']:18.3f} {r['calls_per_episode']:14.2f} "
-          + " ".join(f"{r.get(f'{k}/accuracy', float('nan')):8.3f}" for k in image_tasks.KINDS))
+          + " ".join(f"{r.get(f'{k}/accuracy', float('nan')):8.3f}" for k in kinds_shown))
 
 
 # ------------------------------------------------------------------------------------- run
