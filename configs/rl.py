@@ -24,7 +24,8 @@ image in the prompt and the sandboxed Python tool available, from `init.checkpoi
 (default runs/sft, the zero-vision SFT). Switch `no_tool` (`configs/rl.py:vision,no_tool`):
 the model must answer from the image alone. `get_config("joint")`: the same stage and model
 on text and image tasks together (2-digit addition in the chat format beside the four image
-kinds), grouped by ability, with per-ability accuracy and length in the logs.
+kinds), grouped by ability, with per-ability accuracy and length in the logs. Both take the
+`toggle` switch (`configs/rl.py:joint,toggle`): Toggle on the generated tokens of an episode.
 
 Run length: `train.steps` RL iterations, each `rl.prompts_per_iteration` prompts ×
 `rl.num_generations` samples, then `rl.minibatches` updates.
@@ -79,8 +80,7 @@ def get_config(arg=None):
 
   c.loss = common.policy_loss_section()
 
-  c.toggle = ml_collections.ConfigDict(dict(
-      enabled="toggle" in switches, m=5, rho=50.0, accuracy_threshold=0.6, budget_samples=8))
+  c.toggle = toggle_section("toggle" in switches, budget_samples=8)
 
   c.optimizer = common.optimizer_section(2e-4, 5, 0)
   c.mesh = common.mesh_section()
@@ -94,10 +94,14 @@ def get_config(arg=None):
   return c
 
 
+def toggle_section(enabled: bool, budget_samples: int) -> ml_collections.ConfigDict:
+  """Toggle (`k25jax.rl.toggle`): m iterations a phase, budgets at the ρ-th percentile of the
+  starting policy's correct lengths (budget_samples responses a prompt), gating below accuracy λ."""
+  return ml_collections.ConfigDict(dict(enabled=enabled, m=5, rho=50.0, accuracy_threshold=0.6,
+                                        budget_samples=budget_samples))
+
+
 def vision_config(preset: str, switches: set) -> ml_collections.ConfigDict:
-  if "toggle" in switches:
-    raise ValueError(f"configs/rl.py:{preset}: the toggle switch is for the text task (Toggle is not wired for "
-                     "the K2.5 model's tool rollouts)")
   if "compact" in switches:
     raise ValueError(f"configs/rl.py:{preset}: the compact switch is for the tiny preset")
   c = ml_collections.ConfigDict()
@@ -115,6 +119,7 @@ def vision_config(preset: str, switches: set) -> ml_collections.ConfigDict:
       tool="no_tool" not in switches,      # the sandboxed Python tool (a call without it: an error observation)
       max_turns=4, max_context=496, turn_tokens=160, eval_samples=2))
   c.loss = common.policy_loss_section()
+  c.toggle = toggle_section("toggle" in switches, budget_samples=4)   # budgets from 4 episodes a task
   c.sandbox = common.sandbox_section(sessions=32)
   c.optimizer = common.optimizer_section(2e-4, 5, 0)
   c.mesh = common.mesh_section()

@@ -60,13 +60,12 @@ def test_vision_rl_with_muonclip_clips_the_decoder_heads(tmp_path):
   assert np.isfinite(train["loss"]) and train["finite"] == 1.0
 
 
-def test_vision_rl_needs_a_start_and_refuses_toggle():
+def test_vision_rl_needs_a_start():
   config = load_config("configs/rl.py", "vision")
   config.init.checkpoint = ""
   with pytest.raises(ValueError, match="init.checkpoint"):
     rl_vision.check(config)
-  with pytest.raises(ValueError, match="toggle"):
-    load_config("configs/rl.py", "vision,toggle")
+  assert not config.toggle.enabled and load_config("configs/rl.py", "joint,toggle").toggle.enabled
 
 
 def test_joint_tasks_interleave_kinds_and_keep_text_tasks_imageless():
@@ -103,3 +102,16 @@ def test_joint_rl_mixes_text_and_image_tasks_and_logs_abilities(tmp_path):
     for ability in ("arithmetic", "visual_counting"):
       assert 0.0 <= h[f"{ability}/accuracy"] <= 1.0 and h[f"{ability}/length"] > 0
       assert 0.0 <= h[f"greedy_{ability}/accuracy"] <= 1.0
+
+
+def test_joint_rl_with_toggle_fixes_budgets_from_the_start_and_alternates_phases(tmp_path):
+  config = _small(load_config("configs/rl.py", "joint,toggle"))
+  config.task.kinds = "addition,count"
+  config.toggle.update(m=1, budget_samples=2)
+  config.init.checkpoint = _start(config, tmp_path)
+  _, history = rl_vision.run(config, str(tmp_path / "run"))
+  budgets = np.load(tmp_path / "run" / "toggle_budgets.npy")
+  assert budgets.shape == (config.task.train_prompts,)
+  train = [h for h in history if h["split"] == "train"]
+  assert [h["toggle_phase"] for h in train] == [0, 1]
+  assert all(h["shaped_reward"] <= h["reward"] for h in train)

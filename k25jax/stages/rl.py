@@ -1,4 +1,4 @@
-"""Joint RL with the K2.5 policy loss on verifiable text tasks, Toggle inside.
+"""RL with the K2.5 policy loss on a verifiable text task in the chat format, Toggle inside.
 
 Per iteration i, for P prompts x drawn from the training pool (`k25jax.rl.driver` does the rest):
 
@@ -8,7 +8,7 @@ Per iteration i, for P prompts x drawn from the training pool (`k25jax.rl.driver
     A_j      = r_j − mean_k r_k,  θ ← θ − η ∇ L_K2.5(θ)   (the driver)
 
 budget(x) is the ρ-percentile of the lengths of correct responses to x, estimated once
-from the starting policy and kept in the workdir. The run starts from `init.checkpoint`,
+from the starting policy and kept in the workdir (`k25jax.rl.toggle`). The run starts from `init.checkpoint`,
 else from a built-in warm start: SFT on the task's demonstrations (`warm_start`), saved
 under workdir/warm_start. Held-out evaluation: sampled accuracy and length
 (`rl.eval_samples` per prompt) and greedy accuracy.
@@ -26,9 +26,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from k25jax import losses
 from k25jax.model import transformer
-from k25jax.rl import decode, driver, rollout, sampler, tasks
+from k25jax.rl import decode, driver, rollout, sampler, tasks, toggle
 from k25jax.train import config_utils, sharding, trainer as trainer_lib, warm_start as warm_start_lib
 
 
@@ -100,32 +99,7 @@ def toggle_budgets(config, model_cfg, params, task, sampling) -> np.ndarray:
   rows = np.arange(len(task.train["tokens"]))
   k = config.toggle.budget_samples
   samples = sample(model_cfg, params, task, task.train, rows, k, jax.random.PRNGKey(config.train.seed + 7), sampling)
-  return np.asarray(losses.length_budgets(samples["length"], samples["correct"], np.repeat(rows, k),
-                                          config.toggle.rho, num_prompts=len(rows)), np.float32)
-
-
-def fixed_budgets(config, model_cfg, params, task, sampling, workdir: str) -> np.ndarray:
-  """Toggle's budgets, estimated once: from the starting policy on the first run, read back on a resume."""
-  path = os.path.join(workdir, "toggle_budgets.npy")
-  if os.path.exists(path):
-    return np.load(path)
-  budgets = toggle_budgets(config, model_cfg, params, task, sampling)
-  if jax.process_index() == 0:
-    np.save(path, budgets)
-  return budgets
-
-
-def shape_rewards(config, iteration: int, samples: dict, budgets: np.ndarray, rows: np.ndarray) -> tuple:
-  """Toggle's gated reward in phase 0, the plain reward otherwise. Returns (rewards, phase)."""
-  reward = samples["reward"]
-  if not config.toggle.enabled:
-    return reward, -1
-  k = config.rl.num_generations
-  phase = int(losses.toggle_phase(iteration, config.toggle.m))
-  acc = np.asarray(losses.group_accuracy(samples["correct"], k))
-  gated = losses.toggle_reward(reward, samples["length"], np.repeat(budgets[rows], k), phase, acc,
-                               accuracy_threshold=config.toggle.accuracy_threshold)
-  return np.asarray(gated, np.float32), phase
+  return toggle.budgets(config.toggle, samples["length"], samples["correct"], np.repeat(rows, k), len(rows))
 
 
 def collector(config, model_cfg, task, sampling, budgets: np.ndarray):
@@ -139,7 +113,9 @@ def collector(config, model_cfg, task, sampling, budgets: np.ndarray):
     samples = sample(model_cfg, params, task, task.train, rows, rl.num_generations,
                      jax.random.PRNGKey(seed * 7919 + it), sampling)
     sample_s = time.perf_counter() - start
-    rewards, phase = shape_rewards(config, it, samples, budgets, rows)
+    k = rl.num_generations
+    rewards, phase = toggle.shape_rewards(config.toggle, k, it, samples["reward"], samples["correct"],
+                                          samples["length"], np.repeat(budgets[rows], k))
     responses = rollout.responses(samples["prompts"], samples["prompt_lengths"], samples["tokens"],
                                   samples["lengths"], samples["logprobs"])
     seq_len = samples["prompts"].shape[1] + samples["tokens"].shape[1] - 1
@@ -208,8 +184,8 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   mesh = sharding.make_mesh(config.mesh.to_dict())
   with trainer_lib.Trainer.for_config(config, workdir, model, driver.make_optimizer(config), mesh) as trainer:
     state = trainer.start(config.init, default_params=lambda: builtin_warm_start(config, model, task, mesh, workdir))
-    budgets = (fixed_budgets(config, model.cfg, state.params, task, sampling, workdir) if config.toggle.enabled
-               else np.zeros(len(task.train["tokens"]), np.float32))
+    budgets = (toggle.fixed_budgets(workdir, lambda: toggle_budgets(config, model.cfg, state.params, task, sampling))
+               if config.toggle.enabled else np.zeros(len(task.train["tokens"]), np.float32))
     eval_rng = jax.random.PRNGKey(config.train.seed + 1)
     return driver.train(
         trainer, state, config, collect=collector(config, model.cfg, task, sampling, budgets),

@@ -11,6 +11,8 @@ and K episodes each (`k25jax.rl.driver` does the rest):
                (`rl.tool`), the model's code runs in a sandbox session holding the task's
                images; without it, a call gets an error observation and the model must answer itself
     r_j      = 1[task.grade(answer_j)]                     (exact answer; addition: any correct form)
+    r_j     ← r_j · 1[acc(x) < λ  or  |y_j| ≤ budget(x)]   with Toggle (`toggle.enabled`), in phase 0
+               (`k25jax.rl.toggle`; |y_j| the episode's generated tokens, budgets from the start)
     A_j      = r_j − mean_k r_k,  θ ← θ − η ∇ L_K2.5(θ)  over the generated tokens only (tool
                outputs and the prompt are context), log π_θ from the K2.5 forward with the
                same images (a minibatch without any: the text-only forward), over the tokens
@@ -36,7 +38,7 @@ from k25jax.data import chat, image_tasks
 from k25jax.data import vision as vision_data
 from k25jax.model import k25
 from k25jax.model.config import K25Config
-from k25jax.rl import driver, rollout, sampler, tasks
+from k25jax.rl import driver, rollout, sampler, tasks, toggle
 from k25jax.train import config_utils, multimodal, sharding, trainer as trainer_lib
 
 ROW_FEATURES = ("inputs", "targets", "positions", "segment_ids", "mask", "old_logp", "advantages", "rewards")
@@ -114,8 +116,21 @@ def play(config, model_cfg: K25Config, params, tok, pool, split: TaskSplit, *, t
   return tool_rollout.play(decode, tok, split.tasks, pool, rollout_config, media=split.blocks)
 
 
-def collector(config, model_cfg: K25Config, tok, pool, split: TaskSplit, per_row: int):
-  """collect(params, i): iteration i's P tasks × K episodes, graded, as loss rows with their images."""
+def toggle_budgets(config, model_cfg: K25Config, params, tok, pool, split: TaskSplit, per_row: int) -> np.ndarray:
+  """budget(x) for every training task: the ρ-percentile of the generated tokens of the
+  starting policy's correct episodes (toggle.budget_samples a task, at rl.temperature)."""
+  rows = np.arange(len(split.tasks))
+  k = config.toggle.budget_samples
+  episodes = split.take(np.repeat(rows, k))
+  transcripts = play(config, model_cfg, params, tok, pool, episodes, temperature=config.rl.temperature,
+                     seed=config.train.seed + 7, per_row=per_row)
+  correct = [task.grade(t.answer) for t, task in zip(transcripts, episodes.tasks)]
+  return toggle.budgets(config.toggle, [sum(t.loss_mask) for t in transcripts], correct, np.repeat(rows, k), len(rows))
+
+
+def collector(config, model_cfg: K25Config, tok, pool, split: TaskSplit, per_row: int, budgets: np.ndarray):
+  """collect(params, i): iteration i's P tasks × K episodes, graded, Toggle-shaped, as loss rows
+  with their images."""
   r, k, seed = config.rl, config.rl.num_generations, config.train.seed
 
   def collect(params, it: int) -> driver.Rollouts:
@@ -124,8 +139,12 @@ def collector(config, model_cfg: K25Config, tok, pool, split: TaskSplit, per_row
     transcripts = play(config, model_cfg, params, tok, pool, episodes, temperature=r.temperature,
                        seed=seed * 7919 + it, per_row=per_row)
     reward = np.array([task.grade(t.answer) for t, task in zip(transcripts, episodes.tasks)], np.float32)
-    return driver.Rollouts(rollout.loss_rows(transcripts, r.max_context, tok.pad_id), reward,
-                           {"reward": float(reward.mean()), **tool_rollout.summarize(transcripts, episodes.tasks),
+    lengths = np.array([sum(t.loss_mask) for t in transcripts], np.float32)
+    shaped, phase = toggle.shape_rewards(config.toggle, k, it, reward, reward > 0, lengths,
+                                         np.repeat(budgets[rows], k))
+    return driver.Rollouts(rollout.loss_rows(transcripts, r.max_context, tok.pad_id), shaped,
+                           {"reward": float(reward.mean()), "shaped_reward": float(shaped.mean()),
+                            "toggle_phase": phase, **tool_rollout.summarize(transcripts, episodes.tasks),
                             **ability_metrics(transcripts, episodes.tasks)},
                            media=episodes.items)
   return collect
@@ -177,8 +196,11 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   with tool_rollout.sandbox_pool(config.sandbox) as pool, \
       trainer_lib.Trainer.for_config(config, workdir, model, driver.make_optimizer(config), mesh) as trainer:
     state = trainer.start(config.init)
+    budgets = (toggle.fixed_budgets(workdir, lambda: toggle_budgets(config, model.cfg, state.params, tok, pool,
+                                                                    train_split, per_row))
+               if config.toggle.enabled else np.zeros(len(train_split.tasks), np.float32))
     return driver.train(
-        trainer, state, config, collect=collector(config, model.cfg, tok, pool, train_split, per_row),
+        trainer, state, config, collect=collector(config, model.cfg, tok, pool, train_split, per_row, budgets),
         evaluate=lambda params: evaluate(config, model.cfg, params, tok, pool, eval_split, per_row),
         name="rl_vision", log_keys=("reward", "tool_call_success", "calls_per_episode", "loss", "sample_s", "train_s"),
         eval_keys=("accuracy", "greedy_accuracy", "tool_call_success", "calls_per_episode", "generated_tokens",
