@@ -115,3 +115,13 @@ def test_joint_rl_with_toggle_fixes_budgets_from_the_start_and_alternates_phases
   train = [h for h in history if h["split"] == "train"]
   assert [h["toggle_phase"] for h in train] == [0, 1]
   assert all(h["shaped_reward"] <= h["reward"] for h in train)
+
+
+def test_held_out_sums_are_not_training_sums():
+  config = load_config("configs/rl.py", "joint")
+  config.task.kinds = "addition"
+  tok = chat.ChatTokenizer()
+  train = rl_vision.TaskSplit.make(400, 0, config, tok)
+  held_out = rl_vision.TaskSplit.make(100, 1, config, tok, held_out_from=train)
+  assert len(held_out.tasks) == 100
+  assert not {(t.a, t.b) for t in train.tasks} & {(t.a, t.b) for t in held_out.tasks}

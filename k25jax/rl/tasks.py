@@ -316,10 +316,14 @@ class ArithmeticTask:
     return parse_addition_text(answer) == self.a + self.b
 
 
-def arithmetic_tasks(n: int, seed: int) -> list[ArithmeticTask]:
-  """n addition tasks, the operands of `addition_prompts(n, seed)`."""
-  prompts = addition_prompts(n, seed)
-  return [ArithmeticTask(int(a), int(b)) for a, b in zip(prompts["a"], prompts["b"])]
+def arithmetic_tasks(n: int, seed: int, exclude: frozenset = frozenset()) -> list[ArithmeticTask]:
+  """n addition tasks, the operands of `addition_prompts(n, seed)` when `exclude` is empty;
+  otherwise the first n of a larger draw whose (a, b) are not in `exclude` (a held-out split)."""
+  prompts = addition_prompts(4 * n + len(exclude) if exclude else n, seed)
+  pairs = [(int(a), int(b)) for a, b in zip(prompts["a"], prompts["b"]) if (int(a), int(b)) not in exclude]
+  if len(pairs) < n:
+    raise ValueError(f"{n} addition tasks outside the {len(exclude)} excluded: draw fewer")
+  return [ArithmeticTask(a, b) for a, b in pairs[:n]]
 
 
 # The abilities joint RL groups its tasks by (what a task asks for, not its modality): a task

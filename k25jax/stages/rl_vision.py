@@ -56,14 +56,15 @@ def parse_kinds(text: str) -> tuple[str, ...]:
   return names
 
 
-def make_tasks(n: int, seed: int, kinds: tuple[str, ...], image_size: int) -> list:
+def make_tasks(n: int, seed: int, kinds: tuple[str, ...], image_size: int, exclude: frozenset = frozenset()) -> list:
   """n tasks, kinds in turn (task i has kind kinds[i % len(kinds)]); the image tasks are
-  `image_tasks.make_tasks` of the image kinds, the addition tasks `tasks.arithmetic_tasks`."""
+  `image_tasks.make_tasks` of the image kinds, the addition tasks `tasks.arithmetic_tasks`
+  (none with operands in `exclude`)."""
   picks = [kinds[i % len(kinds)] for i in range(n)]
   image_kinds = tuple(k for k in kinds if k != "addition")
   images = iter(image_tasks.make_tasks(sum(k != "addition" for k in picks), seed, image_size, image_kinds)
                 if image_kinds else [])
-  sums = iter(tasks.arithmetic_tasks(picks.count("addition"), seed))
+  sums = iter(tasks.arithmetic_tasks(picks.count("addition"), seed, exclude))
   return [next(sums) if kind == "addition" else next(images) for kind in picks]
 
 
@@ -77,8 +78,11 @@ class TaskSplit:
   blocks: list[list[int]]
 
   @classmethod
-  def make(cls, n: int, seed: int, config, tok: chat.ChatTokenizer) -> "TaskSplit":
-    made = make_tasks(n, seed, parse_kinds(config.task.kinds), config.task.image_size)
+  def make(cls, n: int, seed: int, config, tok: chat.ChatTokenizer, held_out_from: "TaskSplit | None" = None
+           ) -> "TaskSplit":
+    """`held_out_from`: the training split, whose sums this split must not repeat."""
+    seen = frozenset((t.a, t.b) for t in held_out_from.tasks if t.kind == "addition") if held_out_from else frozenset()
+    made = make_tasks(n, seed, parse_kinds(config.task.kinds), config.task.image_size, seen)
     items = [vision_data.preprocess_image(t.image) if t.images else None for t in made]
     return cls(made, items, [vision_data.media_token_ids(m, tok) if m is not None else [] for m in items])
 
@@ -190,7 +194,7 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   model = k25.K25(config_utils.k25_config_from(config.model, tok))
   mesh = sharding.make_mesh(config.mesh.to_dict())
   train_split = TaskSplit.make(config.task.train_prompts, config.task.seed, config, tok)
-  eval_split = TaskSplit.make(config.task.eval_prompts, config.task.seed + 1, config, tok)
+  eval_split = TaskSplit.make(config.task.eval_prompts, config.task.seed + 1, config, tok, held_out_from=train_split)
   per_row = max(train_split.patches_per_row, eval_split.patches_per_row)
   by_ability = [f"{ability}/accuracy" for ability in dict.fromkeys(tasks.ABILITIES[t.kind] for t in eval_split.tasks)]
   with tool_rollout.sandbox_pool(config.sandbox) as pool, \
