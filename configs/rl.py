@@ -1,7 +1,7 @@
 # python -m k25jax.main --config=configs/rl.py --workdir=runs/rl
 """Joint RL with the K2.5 policy loss (Eq. 1) on a verifiable task; Toggle by switch.
 
-`get_config("tiny")` (default): the 2-digit addition task at ~130k params on CPU, in the
+`get_config("tiny")` (default): the 2-digit addition task at ~165k params on CPU, in the
 K2.5 chat format through the chat tokenizer (`task.rendering="chat"`: bytes, media, role and
 tool tokens, the vocabulary of the K2.5 chat model of configs/sft.py) — a built-in SFT warm
 start (~1 min), then RL in a few minutes. Switches after the preset, comma-separated:
