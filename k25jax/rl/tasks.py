@@ -14,12 +14,13 @@ Two families:
   characters, one token each in both renderings, plus the stop token.
 
       rendering  prompt                                          completion ends with
-      chat       BOS <|user|> 57+68= <|end|> <|assistant|>       <|end|>    (`ChatRendering`, the default)
+      chat       BOS <|user|> 57+68= <|end|> <|assistant|>       <|end|>    (`ChatRendering`)
       compact    ^57+68=   over a 17-token vocabulary            $          (`CompactRendering`)
 
   `chat` is the K2.5 chat format through `k25jax.data.chat.ChatTokenizer` (bytes, media,
-  role and tool tokens: the vocabulary of the K2.5 chat model); `compact` keeps a
-  17-token model for the fastest CPU runs. Both grade the decoded text with one parser.
+  role and tool tokens: the vocabulary of the K2.5 chat model), configs/rl.py's default;
+  `compact` keeps a 17-token model for the fastest CPU runs, and is what the functions
+  below render when no `render` is given. Both grade the decoded text with one parser.
 
 * `ReasoningGymTask`: `countdown` and `gsm_symbolic` from the `reasoning-gym` package,
   generated procedurally (no download) for `small` runs; text prompts, text completions
