@@ -1,8 +1,10 @@
 """Experiment: Toggle's token savings at comparable accuracy (Kimi K2.5, token-efficient RL), tiny, on CPU.
 
-    python experiments/toggle_savings.py [--seeds 3 --iterations 150 --out experiments/results/toggle_savings]
+    python experiments/toggle_savings.py [--seeds 3 --iterations 150 --rendering chat|compact
+                                          --out experiments/results/toggle_savings]
 
-For each seed s, two RL runs of `configs/rl.py:tiny` from the SAME warm start (the
+For each seed s, two RL runs of `configs/rl.py:tiny` (`--rendering compact`: `:tiny,compact`,
+the 17-token rendering of the addition task) from the SAME warm start (the
 built-in SFT on 2-digit addition demonstrations, trained once per seed and copied into
 both workdirs) with the same rollout keys and prompts per iteration: plain RL with the
 K2.5 loss, and the same with Toggle on (`configs/toggle.py`: m, ρ, λ of the config).
@@ -49,8 +51,9 @@ FORMS = {4: "bare", 10: "scratch", 14: "check", 20: "both"}   # completion lengt
 
 
 def make_config(run: str, seed: int, args):
+  preset = "tiny" if args.rendering == "chat" else f"tiny,{args.rendering}"
   config = config_utils.load_config_file(os.path.join(ROOT, "configs", "rl.py"),
-                                         "tiny,toggle" if run == "toggle" else "tiny")
+                                         f"{preset},toggle" if run == "toggle" else preset)
   config.train.seed = config.warm_start.seed = config.task.seed = seed
   config.train.steps = args.iterations
   config.train.eval_every = args.eval_every
@@ -229,6 +232,8 @@ def main():
   parser.add_argument("--iterations", type=int, default=150, help="RL iterations (train.steps)")
   parser.add_argument("--eval_every", "--eval-every", type=int, default=10, help="train.eval_every")
   parser.add_argument("--set", action="append", default=[], help="section.field=value, for both runs")
+  parser.add_argument("--rendering", choices=("chat", "compact"), default="chat",
+                      help="the addition task's rendering (configs/rl.py: chat, or the compact switch)")
   parser.add_argument("--workdir", default="/tmp/k25jax_toggle_savings")
   parser.add_argument("--out", default="experiments/results/toggle_savings")
   parser.add_argument("--from_json", default="", help="re-summarize and re-plot a previous <out>.json, no training")
