@@ -130,8 +130,6 @@ def _before_stop(ids: Sequence[int], stop_id: int) -> list[int] | None:
 class CompactRendering:
   """`^question` → `completion$` over the 17-token `AdditionTokenizer` (one token per character)."""
 
-  name = "compact"
-
   def __init__(self):
     self.tokenizer = AdditionTokenizer()
     self.stop_id, self.pad_id = EOS_ID, PAD_ID
@@ -158,8 +156,6 @@ class ChatRendering:
   A generated turn that is a tool call (`<|call|>` first) or holds another role token is
   not an answer: its text is None, and it scores as unparsable.
   """
-
-  name = "chat"
 
   def __init__(self, tokenizer: chat.ChatTokenizer | None = None):
     self.tokenizer = tokenizer if tokenizer is not None else chat.ChatTokenizer()
@@ -207,15 +203,18 @@ def _padded(rows: list[list[int]], width: int, pad_id: int) -> np.ndarray:
   return out
 
 
+def _operands(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+  """n operand pairs drawn uniformly from [0, 99]², deterministic given seed: a, b int32 [n]."""
+  rng = np.random.default_rng(seed)
+  return rng.integers(0, 100, size=n).astype(np.int32), rng.integers(0, 100, size=n).astype(np.int32)
+
+
 def addition_prompts(n: int, seed: int, render=COMPACT) -> dict[str, np.ndarray]:
-  """n prompts with operands drawn uniformly from [0, 99], deterministic given seed (the
-  same operands in every rendering).
+  """n prompts with the operands `_operands(n, seed)` (the same in every rendering).
 
   Returns tokens int32 [n, longest prompt] (right-padded), prompt_length int32 [n], a, b int32 [n].
   """
-  rng = np.random.default_rng(seed)
-  a = rng.integers(0, 100, size=n).astype(np.int32)
-  b = rng.integers(0, 100, size=n).astype(np.int32)
+  a, b = _operands(n, seed)
   prompts = [addition_prompt(int(x), int(y), render) for x, y in zip(a, b)]
   lengths = np.array([len(p) for p in prompts], np.int32)
   return {"tokens": _padded(prompts, int(lengths.max(initial=0)), render.pad_id), "prompt_length": lengths,
@@ -240,20 +239,15 @@ def addition_demonstrations(n: int, seed: int, *, p_scratch: float = 0.5, p_chec
   rng = np.random.default_rng([seed, 1])
   scratch = rng.random(n) < p_scratch
   check = rng.random(n) < p_check
-  rows, masks = [], []
-  for j in range(n):
-    prompt = prompts["tokens"][j, :prompts["prompt_length"][j]].tolist()
-    completion = addition_completion(int(prompts["a"][j]), int(prompts["b"][j]), scratch=bool(scratch[j]),
-                                     check=bool(check[j]), render=render)
-    rows.append(prompt + completion)
-    masks.append([0.0] * len(prompt) + [1.0] * len(completion))
+  rows = [prompts["tokens"][j, :prompts["prompt_length"][j]].tolist()
+          + addition_completion(int(prompts["a"][j]), int(prompts["b"][j]), scratch=bool(scratch[j]),
+                                check=bool(check[j]), render=render) for j in range(n)]
   width = prompts["tokens"].shape[1] + MAX_COMPLETION_LENGTH
-  completion_mask = np.zeros((n, width), np.float32)
-  for j, mask in enumerate(masks):
-    completion_mask[j, :len(mask)] = mask
-  completion_length = completion_mask.sum(1).astype(np.int32)
+  length = np.array([len(row) for row in rows], np.int32)
+  position = np.arange(width)[None, :]
+  completion_mask = ((position >= prompts["prompt_length"][:, None]) & (position < length[:, None])).astype(np.float32)
   return {"tokens": _padded(rows, width, render.pad_id), "completion_mask": completion_mask,
-          "length": completion_length + prompts["prompt_length"], "completion_length": completion_length,
+          "length": length, "completion_length": length - prompts["prompt_length"],
           "a": prompts["a"], "b": prompts["b"], "scratch": scratch, "check": check}
 
 
@@ -318,10 +312,10 @@ class ArithmeticTask:
 
 
 def arithmetic_tasks(n: int, seed: int, exclude: frozenset = frozenset()) -> list[ArithmeticTask]:
-  """n addition tasks, the operands of `addition_prompts(n, seed)` when `exclude` is empty;
-  otherwise the first n of a larger draw whose (a, b) are not in `exclude` (a held-out split)."""
-  prompts = addition_prompts(4 * n + len(exclude) if exclude else n, seed)
-  pairs = [(int(a), int(b)) for a, b in zip(prompts["a"], prompts["b"]) if (int(a), int(b)) not in exclude]
+  """n addition tasks, the operands `_operands(n, seed)` when `exclude` is empty; otherwise
+  the first n of `_operands(4n, seed)` whose (a, b) are not in `exclude` (a held-out split)."""
+  a, b = _operands(4 * n if exclude else n, seed)
+  pairs = [(int(x), int(y)) for x, y in zip(a, b) if (int(x), int(y)) not in exclude]
   if len(pairs) < n:
     raise ValueError(f"{n} addition tasks outside the {len(exclude)} excluded: draw fewer")
   return [ArithmeticTask(a, b) for a, b in pairs[:n]]

@@ -88,8 +88,7 @@ def arithmetic_examples(config, tok: chat.ChatTokenizer) -> dict[str, np.ndarray
 
 def held_out_arithmetic(config, seen: set) -> list[rl_tasks.ArithmeticTask]:
   """eval.tasks addition tasks whose operands no demonstration had."""
-  pool = rl_tasks.arithmetic_tasks(4 * config.eval.tasks, config.eval.seed)
-  return [t for t in pool if (t.a, t.b) not in seen][:config.eval.tasks]
+  return rl_tasks.arithmetic_tasks(config.eval.tasks, config.eval.seed, frozenset(seen))
 
 
 class Batches:
