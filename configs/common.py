@@ -7,7 +7,8 @@ Configs are data: this module imports `ml_collections` and the model presets
 Where a run starts (`init`), the same in every stage:
   init.checkpoint       a workdir of a run of the same model, any stage: the run starts
                         from its latest params ('' = a fresh init, or the stage's built-in
-                        warm start where it has one: rl, parl)
+                        warm start where it has one: rl, parl); a text-only stage also
+                        starts from a K2.5 run of its decoder (the K2.5 language model)
   init.text_checkpoint  (K2.5 stages only) a text-only run's workdir (configs/pretrain.py):
                         the language model starts from its params, the rest fresh
 A run always resumes from its own workdir's latest checkpoint first; `init` only

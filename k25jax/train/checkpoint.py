@@ -199,27 +199,42 @@ def params_target(boxed_params, mesh: jax.sharding.Mesh):
   return abstract_target(nn.meta.unbox(boxed_params), sharding.logical_to_sharding(boxed_params, mesh))
 
 
-def restore_params(workdir: str, target):
+def _latest_step(directory: str) -> int:
+  """The newest step under `directory` (a run's `checkpoints`); FileNotFoundError when none."""
+  steps = sorted(int(name) for name in os.listdir(directory) if name.isdigit()) if os.path.isdir(directory) else []
+  if not steps:
+    raise FileNotFoundError(f"no checkpoint in {directory}: expected the workdir of a run")
+  return steps[-1]
+
+
+def saved_params_keys(workdir: str) -> tuple[str, ...]:
+  """The top-level keys of the params in the newest checkpoint under `workdir/checkpoints`
+  (read from its metadata, no array is loaded): e.g. ('language_model', 'projector',
+  'vision_tower') for a K2.5 run, the decoder's own keys for a text run."""
+  directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+  with _quiet_orbax():
+    tree = ocp.PyTreeCheckpointer().metadata(os.path.join(directory, str(_latest_step(directory)), "state"))
+  return tuple(tree.item_metadata["params"].keys())
+
+
+def restore_params(workdir: str, target, under: str | None = None):
   """Only the params of the newest checkpoint under `workdir/checkpoints` (any stage's, whatever
   its optimizer), shaped and sharded like `target` (`params_target`), checked against their
-  digests. Raises FileNotFoundError when it holds no checkpoint, CorruptCheckpoint when the
-  params differ from what was saved."""
+  digests; with `under`, the saved `params[under]` (e.g. the language model of a K2.5 run for
+  a text-only model). Raises FileNotFoundError when it holds no checkpoint, CorruptCheckpoint
+  when the params differ from what was saved."""
   directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-  if not os.path.isdir(directory):
-    raise FileNotFoundError(f"no checkpoint in {directory}: expected the workdir of a run")
+  step = _latest_step(directory)
   reader = ocp.CheckpointManager(directory, item_names=("state", "digests"))
-  steps = sorted(reader.all_steps())
-  if not steps:
-    reader.close()
-    raise FileNotFoundError(f"no checkpoint in {directory}: expected the workdir of a run")
-  restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), target)
-  items = {"state": ocp.args.PyTreeRestore(item={"params": target}, restore_args={"params": restore_args},
+  wrapped = target if under is None else {under: target}
+  restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), wrapped)
+  items = {"state": ocp.args.PyTreeRestore(item={"params": wrapped}, restore_args={"params": restore_args},
                                            partial_restore=True)}
-  if has_digests(directory, steps[-1]):
+  if has_digests(directory, step):
     items["digests"] = ocp.args.JsonRestore()
-  restored = reader.restore(steps[-1], args=ocp.args.Composite(**items))
+  restored = reader.restore(step, args=ocp.args.Composite(**items))
   reader.close()
   params = restored["state"]["params"]
-  _check(params, _params_digests(restored.get("digests")), steps[-1])
-  logging.info("restored the params of checkpoint %d from %s", steps[-1], directory)
-  return params
+  _check(params, _params_digests(restored.get("digests")), step)
+  logging.info("restored the params%s of checkpoint %d from %s", f"[{under!r}]" if under else "", step, directory)
+  return params if under is None else params[under]

@@ -11,7 +11,8 @@ A supervised stage hands it a model, an optimizer, a loss and its batches:
 The RL driver (`k25jax.rl.driver`) uses the same state, step and checkpoints with its own
 iteration loop. Where a run starts, in this order (`start`):
   1. the workdir's own latest readable checkpoint (a resumed run; data order included);
-  2. `init.checkpoint`: the latest params of another run of the same model;
+  2. `init.checkpoint`: the latest params of another run of the same model (a text-only
+     model takes the language model of a K2.5 run's);
      `init.text_checkpoint` (K2.5): the language model from a text-only run, the rest fresh;
   3. the stage's `default_params()` (the built-in warm starts of rl and parl);
   4. a fresh init: params from key 0 of split(PRNGKey(seed)), created with their shardings.
@@ -54,9 +55,17 @@ def init_params(model: Model, rng: jax.Array):
 
 def restore_params(model: Model, workdir: str, mesh: jax.sharding.Mesh, part: str | None = None):
   """The latest params of the run in `workdir`, sharded over `mesh`: the whole model's, or
-  those of `params[part]` (e.g. `k25.LANGUAGE_MODEL`)."""
+  those of `params[part]` (e.g. `k25.LANGUAGE_MODEL`). A decoder (a text-only model, or
+  part = LANGUAGE_MODEL) restores from a text run or from the language model of a K2.5 run's."""
   boxed = abstract_params(model)
-  return checkpoint.restore_params(workdir, checkpoint.params_target(boxed if part is None else boxed[part], mesh))
+  target = checkpoint.params_target(boxed if part is None else boxed[part], mesh)
+  saved = checkpoint.saved_params_keys(workdir)
+  decoder = not isinstance(model, k25.K25) or part == k25.LANGUAGE_MODEL
+  under = k25.LANGUAGE_MODEL if decoder and k25.LANGUAGE_MODEL in saved else None
+  if isinstance(model, k25.K25) and part is None and k25.LANGUAGE_MODEL not in saved:
+    raise ValueError(f"{workdir} holds a text-only run (params {', '.join(saved)}): start the K2.5 model's "
+                     "language model from it with init.text_checkpoint, not init.checkpoint")
+  return checkpoint.restore_params(workdir, target, under=under)
 
 
 def abstract_state(model: Model, tx) -> state_lib.TrainState:
