@@ -1,0 +1,95 @@
+# python experiments/recipe.py --out=experiments/results/recipe
+"""The K2.5 recipe on ONE tiny model: the config of every stage, in order, each with the same
+model section. Not a stage config: `experiments/recipe.py` runs the stages one after the other,
+each starting from the previous one's workdir (`init`), and probes the model after each.
+
+    text_pretrain   configs/pretrain.py:tiny          the decoder alone, next-token on text
+    vit             configs/vit.py                    MoonViT-3D + projector, the decoder frozen
+    joint_pretrain  configs/pretrain.py:joint         10:90 vision:text tokens
+    midtrain        configs/midtrain.py               long rows with YaRN
+    sft             configs/sft.py:tiny,arithmetic    zero-vision SFT (+ addition chats)
+    joint_rl        configs/rl.py:joint,toggle        RL on text and image tasks by ability, Toggle on
+
+The model is the tiny K2.5 chat model of configs/sft.py (`common.TINY_CHAT_TEXT`: 268 ids,
+hidden 128, 2 layers; the tiny MoonViT-3D): the byte tokenizer with media tokens of the
+pre-training stages is a prefix of the chat tokenizer's ids, so one vocabulary serves all.
+The text stage trains the decoder alone (`model_section`), the others the K2.5 model.
+Every stage optimises with MuonClip (Muon + QK-Clip on the decoder), as in the paper.
+Mid-training stretches the context 4x over the model's 512 positions (YaRN, 2,048); the
+stages after it keep that rope (`experiments/recipe.py` carries it on).
+
+Presets: `tiny` (default; the experiment, about an hour on 2 cores) and `test` (a smaller
+model and a few steps a stage: the chain test, tests/test_recipe.py). The PARL stage is
+not in the chain: its tasks render only in the wide-search DSL (91 ids), another model.
+"""
+import ml_collections
+
+from configs import common, midtrain, pretrain, rl, sft, vit
+
+STAGES = ("text_pretrain", "vit", "joint_pretrain", "midtrain", "sft", "joint_rl")
+K25_STAGES = STAGES[1:]      # the stages of the K2.5 model (text_pretrain trains the decoder alone)
+
+# The test preset's model: one layer each, narrower (every stage a few seconds).
+TEST_TEXT = dict(common.TINY_CHAT_TEXT, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                 num_hidden_layers=1, q_lora_rank=32, kv_lora_rank=32, max_position_embeddings=384)
+
+
+def model_section(k25: bool, preset: str) -> ml_collections.ConfigDict:
+  """The recipe's model: the K2.5 model's section, or its decoder's alone."""
+  text = common.TINY_CHAT_TEXT if preset == "tiny" else TEST_TEXT
+  if not k25:
+    return common.model_section("tiny", **text)
+  section = common.k25_model_section("tiny", **text)
+  if preset == "test":
+    section.vision.num_hidden_layers = 1
+  return section
+
+
+def stage_configs(preset: str) -> dict[str, ml_collections.ConfigDict]:
+  """Each stage's config (STAGES order), its model the recipe's and `init` empty."""
+  configs = {"text_pretrain": pretrain.get_config("tiny"), "vit": vit.get_config("tiny"),
+             "joint_pretrain": pretrain.get_config("joint"), "midtrain": midtrain.get_config("tiny"),
+             "sft": sft.get_config("tiny,arithmetic"), "joint_rl": rl.get_config("joint,toggle")}
+  for name, c in configs.items():
+    c.model = model_section(name in K25_STAGES, preset)
+    c.init.checkpoint = ""
+    c.optimizer.name = "muonclip"     # as in the paper: text pre-training's default is AdamW
+  text = configs["text_pretrain"].model
+  configs["midtrain"].long_context.original_context = text.max_position_embeddings
+  if preset == "test":
+    shrink(configs)
+  return configs
+
+
+def shrink(configs: dict[str, ml_collections.ConfigDict]) -> None:
+  """The test preset: two steps (one RL iteration) a stage on short rows, small evaluations."""
+  short = dict(steps=2, log_every=1, eval_every=2, checkpoint_every=2)
+  for name in ("text_pretrain", "vit", "joint_pretrain"):
+    configs[name].train.update(short, batch=8, seq_len=96, eval_batches=1)
+  configs["vit"].vit.projector_only_from = 1
+  configs["joint_pretrain"].data.update(vision_eval_batches=1, max_patches=256)
+  configs["vit"].data.max_patches = 256
+  mid = configs["midtrain"]
+  mid.train.update(short, seq_len=256, eval_batches=1)
+  mid.long_context.original_context = 128
+  mid.data.update(max_doc_chars=1000, max_patches=256)
+  s = configs["sft"]
+  s.data.update(trajectories=32, arithmetic_examples=32)
+  s.train.update(steps=2, batch=8, log_every=1, checkpoint_every=2)
+  s.sandbox.sessions = 4
+  s.eval.update(tasks=2, max_turns=1, max_context=320, turn_tokens=8, settings="text_tool")
+  r = configs["joint_rl"]
+  r.task.update(train_prompts=16, eval_prompts=4)
+  r.rl.update(prompts_per_iteration=2, num_generations=4, minibatches=1, max_turns=1, max_context=192,
+              turn_tokens=8, eval_samples=1)
+  r.train.update(steps=1, eval_every=1, log_every=1, checkpoint_every=1)
+  r.toggle.enabled = False
+  r.sandbox.sessions = 4
+  for name, c in configs.items():
+    c.optimizer.update(warmup_steps=1, decay_steps=0 if name == "joint_rl" else 1)
+
+
+def get_config(arg=None) -> ml_collections.ConfigDict:
+  """{stage: config} of `arg` = tiny | test, in STAGES order."""
+  preset, _ = common.preset_and_switches(arg, "configs/recipe.py", ("tiny", "test"))
+  return ml_collections.ConfigDict(stage_configs(preset))

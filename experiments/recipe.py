@@ -1,0 +1,231 @@
+"""Experiment: the K2.5 recipe on ONE tiny model, every stage from the previous stage's checkpoint.
+
+    python experiments/recipe.py [--preset tiny|test --root runs/recipe --out experiments/results/recipe]
+
+Runs the stages of `configs/recipe.py` in order — text pre-training → ViT → joint pre-training
+(10:90) → mid-training (YaRN) → zero-vision SFT → joint RL with Toggle — each in
+`<root>/<stage>`, its `init` the previous stage's workdir (`init_from`: `init.checkpoint`, or
+`init.text_checkpoint` where a K2.5 stage follows the text-only one). Mid-training's YaRN rope
+is carried on to the stages after it. Before the first stage (a fresh K2.5 model) and after
+every stage the same held-out probes measure the model (`recipe_probes.PROBES`). A stage that
+finished (`<root>/<stage>/recipe_stage.json`) is not run again, so the command resumes.
+
+Writes `<out>.json` (the stage × probe table, the time of every stage and its probes, which
+probes each stage trains), `<out>.md` (the table, each stage's change on the probes it trains,
+and where a later stage lowers an earlier stage's probe) and `<out>.png`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+
+import jax
+import matplotlib
+import ml_collections
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import recipe_probes  # noqa: E402
+from configs import common, recipe as recipe_config  # noqa: E402
+from k25jax.data import chat  # noqa: E402
+from k25jax.model import k25  # noqa: E402
+from k25jax.stages import midtrain  # noqa: E402
+from k25jax.train import checkpoint, config_utils, sharding, trainer as trainer_lib  # noqa: E402
+
+STAGES = recipe_config.STAGES
+STAGE_MODULES = {"text_pretrain": "pretrain", "vit": "vit", "joint_pretrain": "pretrain", "midtrain": "midtrain",
+                 "sft": "sft", "joint_rl": "rl_vision"}
+# The probes each stage trains (the ones it must improve over the checkpoint it started from).
+TRAINS = {"text_pretrain": ("text_loss",), "vit": ("caption_loss", "count_loss"),
+          "joint_pretrain": ("text_loss", "caption_loss", "count_loss"), "midtrain": ("text_loss",),
+          "sft": ("image_tool", "arithmetic"), "joint_rl": ("arithmetic", "image_tool")}
+LOWER_IS_BETTER = recipe_probes.LOSSES
+
+
+# ------------------------------------------------------------------------------- chain
+def init_from(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Points `config.init` at the run in `workdir`: a K2.5 stage after a text-only run takes its
+  decoder (`init.text_checkpoint`), every other pair all the params it shares (`init.checkpoint`)."""
+  text_only = k25.LANGUAGE_MODEL not in checkpoint.saved_params_keys(workdir)
+  if "vision" in config.model and text_only:
+    config.init.update(checkpoint="", text_checkpoint=workdir)
+  else:
+    config.init.checkpoint = workdir
+    if "text_checkpoint" in config.init:
+      config.init.text_checkpoint = ""
+
+
+def carry_long_context(configs: dict[str, ml_collections.ConfigDict]) -> None:
+  """The stages after mid-training keep its rope: YaRN, max positions = factor · original context."""
+  lc = configs["midtrain"].long_context
+  for name in STAGES[STAGES.index("midtrain") + 1:]:
+    configs[name].model.text.update(rope_scaling=midtrain.yarn_scaling(lc),
+                                    max_position_embeddings=int(round(lc.yarn_factor * lc.original_context)))
+
+
+def stage_configs(preset: str) -> dict[str, ml_collections.ConfigDict]:
+  """configs/recipe.py's stage configs with mid-training's rope carried on."""
+  configs = recipe_config.stage_configs(preset)
+  carry_long_context(configs)
+  return configs
+
+
+def k25_model_config(name: str, configs: dict[str, ml_collections.ConfigDict]):
+  """The K2.5 model of stage `name` (the text stage's: the K2.5 model the ViT stage builds on it)."""
+  tok = chat.ChatTokenizer()
+  if name == "midtrain":
+    return midtrain.long_context_model(configs[name], tok)
+  return config_utils.k25_config_from(configs["vit" if name == "text_pretrain" else name].model, tok)
+
+
+def k25_params(model_cfg, workdir: str | None, mesh):
+  """The K2.5 params of the run in `workdir` (a text-only run: its decoder, the rest a fresh init
+  of key 0, as the ViT stage starts), or a fresh init when `workdir` is None."""
+  model = k25.K25(model_cfg)
+  with jax.set_mesh(mesh):
+    if workdir is None:
+      return trainer_lib.fresh_params(model, mesh, seed=0)
+    if k25.LANGUAGE_MODEL in checkpoint.saved_params_keys(workdir):
+      return trainer_lib.restore_params(model, workdir, mesh)
+    lm = trainer_lib.restore_params(model, workdir, mesh, k25.LANGUAGE_MODEL)
+    return {**trainer_lib.fresh_params(model, mesh, seed=0), k25.LANGUAGE_MODEL: lm}
+
+
+def run_stage(name: str, config: ml_collections.ConfigDict, workdir: str):
+  """The stage's `run(config, workdir)`."""
+  return importlib.import_module(f"k25jax.stages.{STAGE_MODULES[name]}").run(config, workdir)
+
+
+def run_chain(preset: str, root: str, probes: recipe_probes.Probes | None = None,
+              stages: tuple[str, ...] = STAGES) -> dict:
+  """Every stage in order from the previous stage's workdir, the probes before the first and after
+  each (when given). Returns {"rows": {"init" | stage: probes}, "time_s": {stage: {...}}}."""
+  configs = stage_configs(preset)
+  mesh = sharding.make_mesh(common.mesh_section().to_dict())
+  rows, times, previous = {}, {}, None
+  if probes is not None:
+    start = time.time()
+    rows["init"] = probes(k25_model_config(STAGES[0], configs), k25_params(k25_model_config(STAGES[0], configs),
+                                                                             None, mesh), mesh)
+    times["init"] = {"probe_s": time.time() - start}
+  for name in stages:
+    workdir = os.path.join(root, name)
+    record = os.path.join(workdir, "recipe_stage.json")
+    if os.path.exists(record):
+      with open(record) as f:
+        done = json.load(f)
+      if probes is not None and set(recipe_probes.PROBES) - set(done.get("probes", {})):   # probes added since
+        start = time.time()
+        cfg = k25_model_config(name, configs)
+        done.update(probes=probes(cfg, k25_params(cfg, workdir, mesh), mesh), probe_s=time.time() - start)
+        with open(record, "w") as f:
+          json.dump(done, f, indent=1)
+    else:
+      config = configs[name]
+      if previous is not None:
+        init_from(config, previous)
+      start = time.time()
+      run_stage(name, config, workdir)
+      done = {"stage_s": time.time() - start, "init": config.init.to_dict()}
+      if probes is not None:
+        start = time.time()
+        cfg = k25_model_config(name, configs)
+        done["probes"] = probes(cfg, k25_params(cfg, workdir, mesh), mesh)
+        done["probe_s"] = time.time() - start
+      with open(record, "w") as f:
+        json.dump(done, f, indent=1)
+    if "probes" in done:
+      rows[name] = done["probes"]
+    times[name] = {k: done[k] for k in ("stage_s", "probe_s") if k in done}
+    previous = workdir
+  return {"rows": rows, "time_s": times}
+
+
+# ------------------------------------------------------------------------------- report
+def changes(rows: dict[str, dict]) -> tuple[list[dict], list[dict]]:
+  """(each stage's change on the probes it trains, over the row before it; every later drop of a
+  probe an earlier stage trained: forgetting)."""
+  names = list(rows)
+  trained, forgetting = [], []
+  for i, name in enumerate(names[1:], start=1):
+    before, after = rows[names[i - 1]], rows[name]
+    for probe in TRAINS[name]:
+      gain = (before[probe] - after[probe]) if probe in LOWER_IS_BETTER else (after[probe] - before[probe])
+      trained.append(dict(stage=name, probe=probe, before=before[probe], after=after[probe], improved=gain > 0))
+    taught = {p for earlier in names[1:i] for p in TRAINS[earlier]}
+    for probe in sorted(taught - set(TRAINS[name])):
+      drop = (after[probe] - before[probe]) if probe in LOWER_IS_BETTER else (before[probe] - after[probe])
+      if drop > 0:
+        forgetting.append(dict(stage=name, probe=probe, before=before[probe], after=after[probe]))
+  return trained, forgetting
+
+
+def markdown(result: dict) -> str:
+  rows, times = result["rows"], result["time_s"]
+  columns = recipe_probes.PROBES + ("tool_calls",)
+  lines = ["| after | " + " | ".join(columns) + " | stage min | probe min |",
+           "|---" * (len(columns) + 3) + "|"]
+  for name, r in rows.items():
+    t = times.get(name, {})
+    cells = [f"{r[c]:.3f}" for c in columns]
+    lines.append(f"| {name} | " + " | ".join(cells) + f" | {t.get('stage_s', 0) / 60:.1f} | "
+                 f"{t.get('probe_s', 0) / 60:.1f} |")
+  trained, forgetting = changes(rows)
+  lines += ["", "Each stage on the probes it trains (against the row before it):", ""]
+  lines += [f"* {c['stage']}: {c['probe']} {c['before']:.3f} → {c['after']:.3f} "
+            f"({'better' if c['improved'] else 'NOT better'})" for c in trained]
+  lines += ["", "Forgetting (a later stage lowers a probe an earlier stage trained):", ""]
+  lines += [f"* {f['stage']}: {f['probe']} {f['before']:.3f} → {f['after']:.3f}" for f in forgetting] or ["* none"]
+  total = sum(t.get("stage_s", 0) + t.get("probe_s", 0) for t in times.values())
+  lines += ["", f"Total: {total / 60:.1f} min (stages and probes)."]
+  return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+  rows = result["rows"]
+  names = list(rows)
+  fig, axes = plt.subplots(1, len(recipe_probes.PROBES), figsize=(4 * len(recipe_probes.PROBES), 3.4))
+  for ax, probe in zip(axes, recipe_probes.PROBES):
+    ax.plot(range(len(names)), [rows[n][probe] for n in names], marker="o")
+    ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=8)
+    ax.set_title(probe + (" (lower is better)" if probe in LOWER_IS_BETTER else ""), fontsize=9)
+    ax.grid(alpha=0.3)
+  fig.suptitle("one tiny K2.5 model through the recipe: held-out probes after each stage")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--preset", default="tiny", choices=("tiny", "test"))
+  parser.add_argument("--root", default="runs/recipe")
+  parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "recipe"))
+  parser.add_argument("--probe_tasks", type=int, default=32, help="held-out rollout tasks per probe")
+  args = parser.parse_args()
+  configs = stage_configs(args.preset)
+  probes = recipe_probes.Probes(configs["sft"], tasks=args.probe_tasks)
+  start = time.time()
+  result = run_chain(args.preset, args.root, probes)
+  result.update(preset=args.preset, trains=TRAINS, wall_s=time.time() - start, devices=jax.device_count())
+  result["trained"], result["forgetting"] = changes(result["rows"])
+  with open(args.out + ".json", "w") as f:
+    json.dump(result, f, indent=1)
+  table = markdown(result)
+  with open(args.out + ".md", "w") as f:
+    f.write(table)
+  plot(result, args.out + ".png")
+  print(table)
+  print(f"wrote {args.out}.json, .md and .png")
+
+
+if __name__ == "__main__":
+  main()

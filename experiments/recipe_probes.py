@@ -1,0 +1,85 @@
+"""The held-out probes of the recipe (experiments/recipe.py): the same measurements of the one
+K2.5 model after every stage.
+
+    text_loss      next-token cross-entropy (nats/token) on rows of the held-out text documents
+                   (every 50th document of the pre-training source, never trained on)
+    caption_loss   cross-entropy (nats/token) on the answers of held-out caption samples
+    count_loss     the same on counting samples (samples of a seed no stage trains on)
+    caption_exact  share of those caption samples whose whole answer greedy decoding gives
+    count_exact    the same for counting (teacher-forced argmax at every answer token,
+                   `multimodal.answer_metrics`)
+    arithmetic     greedy accuracy on 2-digit sums in the chat format, operands that no SFT
+                   example had (the SFT stage's held-out sums, `sft.held_out_arithmetic`)
+    image_tool     greedy accuracy on held-out image tasks, the image in the prompt and the
+                   sandboxed Python tool available (the SFT stage's `image_tool` setting)
+    tool_calls     calls per image_tool episode, and tool_call_success, the share that ran
+
+Text and vision rows come from `k25jax.data.mixture` with the byte tokenizer with media
+tokens (the ids of the chat tokenizer below 263); the rollouts use the chat tokenizer.
+"""
+from __future__ import annotations
+
+import jax
+import ml_collections
+
+from k25jax.agents import tool_rollout
+from k25jax.data import chat, mixture, sources, tokenizer
+from k25jax.model import k25
+from k25jax.stages import sft
+from k25jax.train import multimodal, objective
+
+PROBES = ("text_loss", "caption_loss", "count_loss", "caption_exact", "count_exact", "arithmetic", "image_tool")
+LOSSES = PROBES[:3]     # lower is better
+VISION_SEED = 99991        # the held-out vision samples' stream (the stages draw train.seed, +1)
+TEXT_SOURCE, TEXT_EVAL_EVERY, TEXT_MAX_CHARS = "python_stdlib", 50, 1000
+
+
+class Probes:
+  """The held-out data, made once; `__call__(model_cfg, params, mesh)` measures one model."""
+
+  def __init__(self, sft_config: ml_collections.ConfigDict, *, rows: int = 8, seq_len: int = 128,
+               text_batches: int = 4, vision_batches: int = 4, max_patches: int = 512, tasks: int = 32):
+    byte_tok = tokenizer.ByteTokenizer(media=True)
+    _, held_out = sources.split(sources.load(TEXT_SOURCE, TEXT_MAX_CHARS), TEXT_EVAL_EVERY)
+    kw = dict(tok=byte_tok, batch=rows, seq_len=seq_len, total_steps=1, max_patches=max_patches)
+    text = mixture.mixture(docs=held_out, schedule=mixture.VisionSchedule(0.0), tasks=("caption",), seed=0,
+                           shuffle=False, **kw)
+    self.host = {"text": [next(text) for _ in range(text_batches)]}
+    for task in ("caption", "count"):
+      stream = mixture.mixture(docs=None, schedule=mixture.VisionSchedule(1.0), tasks=(task,), seed=VISION_SEED,
+                               **kw)
+      self.host[task] = [next(stream) for _ in range(vision_batches)]
+    self.max_patches = max_patches
+    self.chat = chat.ChatTokenizer()
+    self.sft_config = sft_config.copy_and_resolve_references()
+    self.sft_config.eval.update(tasks=tasks, settings="image_tool")
+    sums = sft.arithmetic_examples(self.sft_config, self.chat)
+    self.arithmetic = sft.held_out_arithmetic(self.sft_config,
+                                              set(zip(sums["a"].tolist(), sums["b"].tolist())))[:tasks]
+
+  def __call__(self, model_cfg, params, mesh: jax.sharding.Mesh) -> dict[str, float]:
+    """Every probe of the K2.5 model `model_cfg` with `params` (sharded over `mesh`)."""
+    model = k25.K25(model_cfg)
+    loss_fn = objective.next_token(model)
+
+    @jax.jit
+    def step(p, batch):
+      loss, (metrics, _) = loss_fn(p, batch, None)
+      return {**metrics, "loss": loss}
+
+    out = {}
+    with jax.set_mesh(mesh):
+      for name, batches in self.host.items():
+        device = [multimodal.to_device(multimodal.device_features(b, model_cfg, self.max_patches), mesh)
+                  for b in batches]
+        m = multimodal.evaluate(step, params, device)
+        out[f"{name}_loss"] = m["cross_entropy"]
+        if name != "text":
+          out[f"{name}_exact"] = m["answer_exact"]
+      with tool_rollout.sandbox_pool(self.sft_config.sandbox) as pool:
+        rollouts = sft.evaluate(self.sft_config, model_cfg, params, self.chat, pool, self.arithmetic)
+    out["arithmetic"] = rollouts["arithmetic"]["accuracy"]
+    image = rollouts["image_tool"]
+    out.update(image_tool=image["accuracy"], tool_calls=image["calls_per_episode"],
+               tool_call_success=image["tool_call_success"])
+    return out

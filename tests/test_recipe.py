@@ -1,0 +1,146 @@
+"""The recipe's chain (configs/recipe.py, experiments/recipe.py): one model through every stage,
+and any stage starts from a checkpoint of any earlier stage of it."""
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+from config_files import load_config
+
+from configs import recipe as recipe_config
+from k25jax.data import chat, tokenizer
+from k25jax.model import k25, transformer
+from k25jax.train import checkpoint, config_utils, sharding, trainer as trainer_lib
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
+import recipe  # noqa: E402
+import recipe_probes  # noqa: E402
+
+LM = k25.LANGUAGE_MODEL
+
+
+def _text_rl_config():
+  """configs/rl.py's text RL stage (chat addition) on the recipe's decoder: a text stage after the chain."""
+  config = load_config("configs/rl.py")
+  config.model = recipe_config.model_section(False, "test")
+  return config
+
+
+def _model(config):
+  if "vision" in config.model:
+    return k25.K25(config_utils.k25_config_from(config.model, chat.ChatTokenizer()))
+  return transformer.Transformer(config_utils.model_config_from(config.model))
+
+
+def _decoder(params):
+  return params[LM] if LM in params else params
+
+
+def _save(path, params) -> str:
+  saver = checkpoint.Checkpoints(str(path), keep=1)
+  saver.save(0, {"params": params})
+  saver.close()
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+  """Every stage of the test preset run in order, each from the previous one's workdir: (workdirs, final params)."""
+  root = tmp_path_factory.mktemp("recipe")
+  configs = recipe.stage_configs("test")
+  workdirs, params, previous = {}, {}, None
+  for name in recipe.STAGES:
+    config, workdirs[name] = configs[name], str(root / name)
+    if previous is not None:
+      recipe.init_from(config, previous)
+    state, _ = recipe.run_stage(name, config, workdirs[name])
+    params[name], previous = jax.device_get(state.params), workdirs[name]
+  return workdirs, params
+
+
+def test_a_text_model_starts_from_a_k25_runs_language_model(tmp_path):
+  configs = recipe.stage_configs("test")
+  k25_model, text_model = _model(configs["sft"]), _model(configs["text_pretrain"])
+  k25_params = jax.device_get(k25.init_params(k25_model.cfg, jax.random.PRNGKey(3)))
+  text_params = jax.device_get(transformer.init_params(text_model.cfg, jax.random.PRNGKey(4)))
+  k25_dir, text_dir = _save(tmp_path / "k25", k25_params), _save(tmp_path / "text", text_params)
+  assert checkpoint.saved_params_keys(k25_dir) == tuple(sorted(k25_params))
+  mesh = sharding.make_mesh({"data": -1})
+  with jax.set_mesh(mesh):
+    restored = trainer_lib.restore_params(text_model, k25_dir, mesh)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), k25_params[LM])
+    lm = trainer_lib.restore_params(k25_model, text_dir, mesh, LM)   # init.text_checkpoint: a text run
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(lm), text_params)
+    lm = trainer_lib.restore_params(k25_model, k25_dir, mesh, LM)    # ... or a K2.5 run's decoder
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(lm), k25_params[LM])
+    with pytest.raises(ValueError, match="init.text_checkpoint"):
+      trainer_lib.restore_params(k25_model, text_dir, mesh)
+
+
+def test_init_from_names_the_field_the_pair_needs(tmp_path):
+  configs = recipe.stage_configs("test")
+  text_dir = _save(tmp_path / "text", jax.device_get(
+      transformer.init_params(_model(configs["text_pretrain"]).cfg, jax.random.PRNGKey(0))))
+  k25_dir = _save(tmp_path / "k25", jax.device_get(k25.init_params(_model(configs["sft"]).cfg, jax.random.PRNGKey(0))))
+  vit = configs["vit"]
+  recipe.init_from(vit, text_dir)
+  assert (vit.init.checkpoint, vit.init.text_checkpoint) == ("", text_dir)
+  recipe.init_from(vit, k25_dir)
+  assert (vit.init.checkpoint, vit.init.text_checkpoint) == (k25_dir, "")
+  text = _text_rl_config()
+  recipe.init_from(text, k25_dir)
+  assert text.init.checkpoint == k25_dir
+
+
+def test_the_recipe_is_one_model():
+  """Every stage's model section is the recipe's, and the tokenizers of every stage fit its vocabulary."""
+  for preset in ("tiny", "test"):
+    configs = recipe.stage_configs(preset)
+    text = configs["text_pretrain"].model.to_dict()
+    text.pop("preset")
+    for name in recipe.STAGES[1:]:
+      fields = configs[name].model.text.to_dict()
+      changed = {k for k in fields if fields[k] != text[k]}
+      expected = {"rope_scaling", "max_position_embeddings"} if recipe.STAGES.index(name) > 3 else set()
+      assert changed == expected, (name, changed)
+      assert configs[name].model.vision == configs["vit"].model.vision
+    assert tokenizer.ByteTokenizer(media=True).vocab_size <= chat.ChatTokenizer().vocab_size == text["vocab_size"]
+
+
+@pytest.mark.slow
+def test_every_stage_starts_from_every_earlier_stage(chain, tmp_path):
+  """Each stage of the chain, and text RL after it, restores the decoder of every earlier stage's
+  run exactly (and the vision tower and projector of every earlier K2.5 run)."""
+  workdirs, finals = chain
+  configs = recipe.stage_configs("test")
+  later = [(name, configs[name]) for name in recipe.STAGES] + [("text_rl", _text_rl_config())]
+  pairs = 0
+  for i, (name, config) in enumerate(later):
+    model, mesh = _model(config), sharding.make_mesh(config.mesh.to_dict())
+    for earlier in recipe.STAGES[:i]:
+      recipe.init_from(config, workdirs[earlier])
+      with trainer_lib.Trainer(str(tmp_path / f"{name}_from_{earlier}"), model, None, mesh=mesh, seed=0,
+                               keep_checkpoints=1) as trainer:
+        params = jax.device_get(trainer.params_from(config.init))
+      source = finals[earlier]
+      jax.tree.map(np.testing.assert_array_equal, _decoder(params), _decoder(source))
+      if isinstance(model, k25.K25) and LM in source:
+        for part in (k25.VISION_TOWER, k25.PROJECTOR):
+          jax.tree.map(np.testing.assert_array_equal, params[part], source[part])
+      pairs += 1
+  assert pairs == sum(range(len(recipe.STAGES) + 1))
+
+
+@pytest.mark.slow
+def test_the_probes_measure_a_chained_model(chain):
+  workdirs, _ = chain
+  configs = recipe.stage_configs("test")
+  probes = recipe_probes.Probes(configs["sft"], rows=8, seq_len=96, text_batches=1, vision_batches=1,
+                                max_patches=256, tasks=2)
+  mesh = sharding.make_mesh({"data": -1})
+  cfg = recipe.k25_model_config("joint_rl", configs)
+  out = probes(cfg, recipe.k25_params(cfg, workdirs["joint_rl"], mesh), mesh)
+  assert set(recipe_probes.PROBES) <= set(out)
+  assert all(0.0 <= out[p] <= 1.0 for p in recipe_probes.PROBES if p not in recipe_probes.LOSSES)
+  assert all(0 < out[p] < np.log(cfg.text.vocab_size) + 1 for p in recipe_probes.LOSSES)
