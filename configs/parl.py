@@ -12,7 +12,9 @@ S1 .. Sk all`, `search A next`, `answer all`: `k25jax/agents/tools.py`), so a mo
 small orchestrates without copying entity lists. About 15 minutes on 2 cores.
 
 Run length: `train.steps` RL iterations (`rl.prompts_per_iteration` tasks ×
-`rl.num_generations` episodes, then `rl.minibatches` updates).
+`rl.num_generations` episodes, then `rl.minibatches` updates). The orchestrator's RL
+updates use MuonClip (`--config.optimizer.name=adamw` switches); the warm start's SFT fits
+its demonstrations with AdamW, as configs/rl.py's does.
 """
 import ml_collections
 
@@ -61,7 +63,7 @@ def get_config(arg=None):
   c.rl = ml_collections.ConfigDict(dict(prompts_per_iteration=16, num_generations=8, minibatches=2, temperature=1.0))
 
   c.loss = common.policy_loss_section()
-  c.optimizer = common.optimizer_section(3e-4, 5, 0)
+  c.optimizer = common.optimizer_section(3e-4, 5, 0, name="muonclip")
   c.mesh = common.mesh_section()
   c.train = ml_collections.ConfigDict(dict(
       steps=80, log_every=10, eval_every=20, checkpoint_every=40, keep_checkpoints=2, seed=0, router_bias_rate=1e-3,

@@ -14,7 +14,7 @@ direct answer) for the text+vision comparison. `--config.init.checkpoint=DIR` st
 from a K2.5 workdir of the same model (e.g. joint pre-training's). Switch `arithmetic`
 (`configs/sft.py:tiny,arithmetic`): adds 3,000 2-digit addition conversations in the chat
 format, the text ability of joint RL (`configs/rl.py:joint`), with a held-out arithmetic
-evaluation.
+evaluation. The optimizer is MuonClip (`--config.optimizer.name=adamw` switches).
 """
 import ml_collections
 
@@ -40,7 +40,7 @@ def get_config(arg=None):
   c.train = ml_collections.ConfigDict(dict(
       steps=1000, batch=16, visual_batch=8, seed=0, log_every=50, checkpoint_every=200, keep_checkpoints=2,
       router_bias_rate=1e-3, balance_loss_alpha=1e-4, z_loss=0.0, max_consecutive_skipped=10))
-  c.optimizer = common.optimizer_section(3e-3, 30, 300)
+  c.optimizer = common.optimizer_section(3e-3, 30, 300, name="muonclip")
 
   c.sandbox = common.sandbox_section(sessions=16)
 
