@@ -8,7 +8,9 @@ Runs the stages of `configs/recipe.py` in order — text pre-training → ViT �
 `init.text_checkpoint` where a K2.5 stage follows the text-only one). Mid-training's YaRN rope
 is carried on to the stages after it. Before the first stage (a fresh K2.5 model) and after
 every stage the same held-out probes measure the model (`recipe_probes.PROBES`). A stage that
-finished (`<root>/<stage>/recipe_stage.json`) is not run again, so the command resumes.
+finished (`<root>/<stage>/recipe_stage.json`) is not run again, so the command resumes (and
+a root whose first stages link to another root's runs an ablation of the later ones:
+`--set sft.optimizer.name=adamw`).
 
 Writes `<out>.json` (the stage × probe table, the time of every stage and its probes, which
 probes each stage trains), `<out>.md` (the table, each stage's change on the probes it trains,
@@ -46,7 +48,7 @@ STAGE_MODULES = {"text_pretrain": "pretrain", "vit": "vit", "joint_pretrain": "p
                  "sft": "sft", "joint_rl": "rl_vision"}
 # The probes each stage trains (the ones it must improve over the checkpoint it started from).
 TRAINS = {"text_pretrain": ("text_loss",), "vit": ("caption_loss", "count_loss"),
-          "joint_pretrain": ("text_loss", "caption_loss", "count_loss"), "midtrain": ("text_loss",),
+          "joint_pretrain": ("text_loss", "caption_loss", "count_loss"), "midtrain": ("long_text_loss",),
           "sft": ("image_tool", "arithmetic"), "joint_rl": ("arithmetic", "image_tool")}
 LOWER_IS_BETTER = recipe_probes.LOSSES
 
@@ -72,9 +74,15 @@ def carry_long_context(configs: dict[str, ml_collections.ConfigDict]) -> None:
                                     max_position_embeddings=int(round(lc.yarn_factor * lc.original_context)))
 
 
-def stage_configs(preset: str) -> dict[str, ml_collections.ConfigDict]:
-  """configs/recipe.py's stage configs with mid-training's rope carried on."""
+def stage_configs(preset: str, overrides: tuple[str, ...] = ()) -> dict[str, ml_collections.ConfigDict]:
+  """configs/recipe.py's stage configs, `overrides` ("stage.section.field=value") applied, with
+  mid-training's rope carried on."""
   configs = recipe_config.stage_configs(preset)
+  for item in overrides:
+    stage, _, field = item.partition(".")
+    if stage not in configs:
+      raise ValueError(f"--set {item!r}: no stage {stage!r}; the stages are {STAGES}")
+    config_utils.apply_overrides(configs[stage], [field])
   carry_long_context(configs)
   return configs
 
@@ -106,10 +114,10 @@ def run_stage(name: str, config: ml_collections.ConfigDict, workdir: str):
 
 
 def run_chain(preset: str, root: str, probes: recipe_probes.Probes | None = None,
-              stages: tuple[str, ...] = STAGES) -> dict:
+              overrides: tuple[str, ...] = ()) -> dict:
   """Every stage in order from the previous stage's workdir, the probes before the first and after
   each (when given). Returns {"rows": {"init" | stage: probes}, "time_s": {stage: {...}}}."""
-  configs = stage_configs(preset)
+  configs = stage_configs(preset, overrides)
   mesh = sharding.make_mesh(common.mesh_section().to_dict())
   rows, times, previous = {}, {}, None
   if probes is not None:
@@ -117,7 +125,7 @@ def run_chain(preset: str, root: str, probes: recipe_probes.Probes | None = None
     rows["init"] = probes(k25_model_config(STAGES[0], configs), k25_params(k25_model_config(STAGES[0], configs),
                                                                              None, mesh), mesh)
     times["init"] = {"probe_s": time.time() - start}
-  for name in stages:
+  for name in STAGES:
     workdir = os.path.join(root, name)
     record = os.path.join(workdir, "recipe_stage.json")
     if os.path.exists(record):
@@ -151,20 +159,24 @@ def run_chain(preset: str, root: str, probes: recipe_probes.Probes | None = None
 
 
 # ------------------------------------------------------------------------------- report
+def gain(probe: str, before: float, after: float) -> float:
+  """How much better `after` is than `before` on `probe` (losses: lower is better)."""
+  return before - after if probe in LOWER_IS_BETTER else after - before
+
+
 def changes(rows: dict[str, dict]) -> tuple[list[dict], list[dict]]:
-  """(each stage's change on the probes it trains, over the row before it; every later drop of a
-  probe an earlier stage trained: forgetting)."""
+  """(each stage's change on the probes it trains, over the row before it; forgetting: every
+  drop, by a stage that does not train it, of a probe earlier stages had raised above the first row)."""
   names = list(rows)
   trained, forgetting = [], []
   for i, name in enumerate(names[1:], start=1):
-    before, after = rows[names[i - 1]], rows[name]
+    first, before, after = rows[names[0]], rows[names[i - 1]], rows[name]
     for probe in TRAINS[name]:
-      gain = (before[probe] - after[probe]) if probe in LOWER_IS_BETTER else (after[probe] - before[probe])
-      trained.append(dict(stage=name, probe=probe, before=before[probe], after=after[probe], improved=gain > 0))
-    taught = {p for earlier in names[1:i] for p in TRAINS[earlier]}
-    for probe in sorted(taught - set(TRAINS[name])):
-      drop = (after[probe] - before[probe]) if probe in LOWER_IS_BETTER else (before[probe] - after[probe])
-      if drop > 0:
+      trained.append(dict(stage=name, probe=probe, before=before[probe], after=after[probe],
+                          improved=gain(probe, before[probe], after[probe]) > 0))
+    for probe in recipe_probes.PROBES:
+      learnt = gain(probe, first[probe], before[probe]) > 0
+      if probe not in TRAINS[name] and learnt and gain(probe, before[probe], after[probe]) < 0:
         forgetting.append(dict(stage=name, probe=probe, before=before[probe], after=after[probe]))
   return trained, forgetting
 
@@ -183,7 +195,7 @@ def markdown(result: dict) -> str:
   lines += ["", "Each stage on the probes it trains (against the row before it):", ""]
   lines += [f"* {c['stage']}: {c['probe']} {c['before']:.3f} → {c['after']:.3f} "
             f"({'better' if c['improved'] else 'NOT better'})" for c in trained]
-  lines += ["", "Forgetting (a later stage lowers a probe an earlier stage trained):", ""]
+  lines += ["", "Forgetting (a stage lowers a probe that earlier stages had raised, and it does not train):", ""]
   lines += [f"* {f['stage']}: {f['probe']} {f['before']:.3f} → {f['after']:.3f}" for f in forgetting] or ["* none"]
   total = sum(t.get("stage_s", 0) + t.get("probe_s", 0) for t in times.values())
   lines += ["", f"Total: {total / 60:.1f} min (stages and probes)."]
@@ -193,8 +205,9 @@ def markdown(result: dict) -> str:
 def plot(result: dict, path: str) -> None:
   rows = result["rows"]
   names = list(rows)
-  fig, axes = plt.subplots(1, len(recipe_probes.PROBES), figsize=(4 * len(recipe_probes.PROBES), 3.4))
-  for ax, probe in zip(axes, recipe_probes.PROBES):
+  columns = (len(recipe_probes.PROBES) + 1) // 2
+  fig, axes = plt.subplots(2, columns, figsize=(4 * columns, 7))
+  for ax, probe in zip(axes.flat, recipe_probes.PROBES):
     ax.plot(range(len(names)), [rows[n][probe] for n in names], marker="o")
     ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=8)
     ax.set_title(probe + (" (lower is better)" if probe in LOWER_IS_BETTER else ""), fontsize=9)
@@ -210,12 +223,15 @@ def main():
   parser.add_argument("--root", default="runs/recipe")
   parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "recipe"))
   parser.add_argument("--probe_tasks", type=int, default=32, help="held-out rollout tasks per probe")
+  parser.add_argument("--set", action="append", default=[], metavar="STAGE.SECTION.FIELD=VALUE",
+                      help="override a stage's config field, e.g. --set sft.optimizer.name=adamw (repeatable)")
   args = parser.parse_args()
-  configs = stage_configs(args.preset)
+  configs = stage_configs(args.preset, tuple(args.set))
   probes = recipe_probes.Probes(configs["sft"], tasks=args.probe_tasks)
   start = time.time()
-  result = run_chain(args.preset, args.root, probes)
-  result.update(preset=args.preset, trains=TRAINS, wall_s=time.time() - start, devices=jax.device_count())
+  result = run_chain(args.preset, args.root, probes, tuple(args.set))
+  result.update(preset=args.preset, overrides=args.set, trains=TRAINS, wall_s=time.time() - start,
+                devices=jax.device_count())
   result["trained"], result["forgetting"] = changes(result["rows"])
   with open(args.out + ".json", "w") as f:
     json.dump(result, f, indent=1)

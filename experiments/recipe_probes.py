@@ -1,8 +1,10 @@
 """The held-out probes of the recipe (experiments/recipe.py): the same measurements of the one
 K2.5 model after every stage.
 
-    text_loss      next-token cross-entropy (nats/token) on rows of the held-out text documents
-                   (every 50th document of the pre-training source, never trained on)
+    text_loss      next-token cross-entropy (nats/token) on rows of 128 tokens of the held-out
+                   text documents (every 50th document of the pre-training source, never trained on)
+    long_text_loss the same on rows of 1,024 tokens of held-out documents of up to 8,000
+                   characters (mid-training's rows; past the base model's 512 positions)
     caption_loss   cross-entropy (nats/token) on the answers of held-out caption samples
     count_loss     the same on counting samples (samples of a seed no stage trains on)
     caption_exact  share of those caption samples whose whole answer greedy decoding gives
@@ -28,23 +30,29 @@ from k25jax.model import k25
 from k25jax.stages import sft
 from k25jax.train import multimodal, objective
 
-PROBES = ("text_loss", "caption_loss", "count_loss", "caption_exact", "count_exact", "arithmetic", "image_tool")
-LOSSES = PROBES[:3]     # lower is better
+PROBES = ("text_loss", "long_text_loss", "caption_loss", "count_loss", "caption_exact", "count_exact", "arithmetic",
+          "image_tool")
+LOSSES = PROBES[:4]     # lower is better
 VISION_SEED = 99991        # the held-out vision samples' stream (the stages draw train.seed, +1)
-TEXT_SOURCE, TEXT_EVAL_EVERY, TEXT_MAX_CHARS = "python_stdlib", 50, 1000
+TEXT_SOURCE, TEXT_EVAL_EVERY, TEXT_MAX_CHARS, LONG_MAX_CHARS = "python_stdlib", 50, 1000, 8000
 
 
 class Probes:
   """The held-out data, made once; `__call__(model_cfg, params, mesh)` measures one model."""
 
   def __init__(self, sft_config: ml_collections.ConfigDict, *, rows: int = 8, seq_len: int = 128,
-               text_batches: int = 4, vision_batches: int = 4, max_patches: int = 512, tasks: int = 32):
+               text_batches: int = 4, vision_batches: int = 4, max_patches: int = 512, tasks: int = 32,
+               long_rows: int = 2, long_seq_len: int = 1024, long_batches: int = 2):
     byte_tok = tokenizer.ByteTokenizer(media=True)
     _, held_out = sources.split(sources.load(TEXT_SOURCE, TEXT_MAX_CHARS), TEXT_EVAL_EVERY)
     kw = dict(tok=byte_tok, batch=rows, seq_len=seq_len, total_steps=1, max_patches=max_patches)
     text = mixture.mixture(docs=held_out, schedule=mixture.VisionSchedule(0.0), tasks=("caption",), seed=0,
                            shuffle=False, **kw)
-    self.host = {"text": [next(text) for _ in range(text_batches)]}
+    _, long_docs = sources.split(sources.load(TEXT_SOURCE, LONG_MAX_CHARS), TEXT_EVAL_EVERY)
+    long = mixture.mixture(docs=long_docs, schedule=mixture.VisionSchedule(0.0), tasks=("caption",), seed=0,
+                           shuffle=False, **dict(kw, batch=long_rows, seq_len=long_seq_len))
+    self.host = {"text": [next(text) for _ in range(text_batches)],
+                 "long_text": [next(long) for _ in range(long_batches)]}
     for task in ("caption", "count"):
       stream = mixture.mixture(docs=None, schedule=mixture.VisionSchedule(1.0), tasks=(task,), seed=VISION_SEED,
                                **kw)
@@ -74,7 +82,7 @@ class Probes:
                   for b in batches]
         m = multimodal.evaluate(step, params, device)
         out[f"{name}_loss"] = m["cross_entropy"]
-        if name != "text":
+        if name in ("caption", "count"):
           out[f"{name}_exact"] = m["answer_exact"]
       with tool_rollout.sandbox_pool(self.sft_config.sandbox) as pool:
         rollouts = sft.evaluate(self.sft_config, model_cfg, params, self.chat, pool, self.arithmetic)
