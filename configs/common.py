@@ -9,8 +9,9 @@ Where a run starts (`init`), the same in every stage:
                         from its latest params ('' = a fresh init, or the stage's built-in
                         warm start where it has one: rl, parl); a text-only stage also
                         starts from a K2.5 run of its decoder (the K2.5 language model)
-  init.text_checkpoint  (K2.5 stages only) a text-only run's workdir (configs/pretrain.py):
-                        the language model starts from its params, the rest fresh
+  init.text_checkpoint  (K2.5 stages only) a text-only run's workdir (configs/pretrain.py),
+                        or a K2.5 run's: the language model starts from its decoder's params,
+                        the rest fresh
 A run always resumes from its own workdir's latest checkpoint first; `init` only
 chooses the params of a run that has none yet.
 
