@@ -54,16 +54,20 @@ LOWER_IS_BETTER = recipe_probes.LOSSES
 
 
 # ------------------------------------------------------------------------------- chain
+def init_fields(k25_model: bool, workdir: str) -> dict[str, str]:
+  """The `init` fields that start a model from the run in `workdir`: a K2.5 model after a
+  text-only run takes its decoder (`text_checkpoint`), every other pair all the params it
+  shares (`checkpoint`)."""
+  if not k25_model:
+    return {"checkpoint": workdir}
+  if k25.LANGUAGE_MODEL not in checkpoint.saved_params_keys(workdir):
+    return {"checkpoint": "", "text_checkpoint": workdir}
+  return {"checkpoint": workdir, "text_checkpoint": ""}
+
+
 def init_from(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Points `config.init` at the run in `workdir`: a K2.5 stage after a text-only run takes its
-  decoder (`init.text_checkpoint`), every other pair all the params it shares (`init.checkpoint`)."""
-  text_only = k25.LANGUAGE_MODEL not in checkpoint.saved_params_keys(workdir)
-  if "vision" in config.model and text_only:
-    config.init.update(checkpoint="", text_checkpoint=workdir)
-  else:
-    config.init.checkpoint = workdir
-    if "text_checkpoint" in config.init:
-      config.init.text_checkpoint = ""
+  """Points `config.init` at the run in `workdir` (`init_fields`)."""
+  config.init.update(init_fields("vision" in config.model, workdir))
 
 
 def carry_long_context(configs: dict[str, ml_collections.ConfigDict]) -> None:
@@ -102,10 +106,7 @@ def k25_params(model_cfg, workdir: str | None, mesh):
   with jax.set_mesh(mesh):
     if workdir is None:
       return trainer_lib.fresh_params(model, mesh, seed=0)
-    if k25.LANGUAGE_MODEL in checkpoint.saved_params_keys(workdir):
-      return trainer_lib.restore_params(model, workdir, mesh)
-    lm = trainer_lib.restore_params(model, workdir, mesh, k25.LANGUAGE_MODEL)
-    return {**trainer_lib.fresh_params(model, mesh, seed=0), k25.LANGUAGE_MODEL: lm}
+    return trainer_lib.params_from(model, ml_collections.ConfigDict(init_fields(True, workdir)), mesh, seed=0)
 
 
 def run_stage(name: str, config: ml_collections.ConfigDict, workdir: str):
@@ -119,36 +120,34 @@ def run_chain(preset: str, root: str, probes: recipe_probes.Probes | None = None
   each (when given). Returns {"rows": {"init" | stage: probes}, "time_s": {stage: {...}}}."""
   configs = stage_configs(preset, overrides)
   mesh = sharding.make_mesh(common.mesh_section().to_dict())
+
+  def probe(name: str, workdir: str | None) -> dict:
+    """{"probes", "probe_s"} of stage `name`'s model with the params of `workdir` (None: fresh)."""
+    start, cfg = time.time(), k25_model_config(name, configs)
+    return {"probes": probes(cfg, k25_params(cfg, workdir, mesh), mesh), "probe_s": time.time() - start}
+
   rows, times, previous = {}, {}, None
   if probes is not None:
-    start = time.time()
-    rows["init"] = probes(k25_model_config(STAGES[0], configs), k25_params(k25_model_config(STAGES[0], configs),
-                                                                             None, mesh), mesh)
-    times["init"] = {"probe_s": time.time() - start}
+    first = probe(STAGES[0], None)
+    rows["init"], times["init"] = first["probes"], {"probe_s": first["probe_s"]}
   for name in STAGES:
     workdir = os.path.join(root, name)
     record = os.path.join(workdir, "recipe_stage.json")
-    if os.path.exists(record):
+    finished = os.path.exists(record)
+    if finished:
       with open(record) as f:
         done = json.load(f)
-      if probes is not None and set(recipe_probes.PROBES) - set(done.get("probes", {})):   # probes added since
-        start = time.time()
-        cfg = k25_model_config(name, configs)
-        done.update(probes=probes(cfg, k25_params(cfg, workdir, mesh), mesh), probe_s=time.time() - start)
-        with open(record, "w") as f:
-          json.dump(done, f, indent=1)
+      stale = probes is not None and set(recipe_probes.PROBES) - set(done.get("probes", {}))   # probes added since
     else:
       config = configs[name]
       if previous is not None:
         init_from(config, previous)
       start = time.time()
       run_stage(name, config, workdir)
-      done = {"stage_s": time.time() - start, "init": config.init.to_dict()}
-      if probes is not None:
-        start = time.time()
-        cfg = k25_model_config(name, configs)
-        done["probes"] = probes(cfg, k25_params(cfg, workdir, mesh), mesh)
-        done["probe_s"] = time.time() - start
+      done, stale = {"stage_s": time.time() - start, "init": config.init.to_dict()}, probes is not None
+    if stale:
+      done.update(probe(name, workdir))
+    if stale or not finished:
       with open(record, "w") as f:
         json.dump(done, f, indent=1)
     if "probes" in done:

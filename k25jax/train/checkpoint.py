@@ -199,12 +199,17 @@ def params_target(boxed_params, mesh: jax.sharding.Mesh):
   return abstract_target(nn.meta.unbox(boxed_params), sharding.logical_to_sharding(boxed_params, mesh))
 
 
-def _latest_step(directory: str) -> int:
-  """The newest step under `directory` (a run's `checkpoints`); FileNotFoundError when none."""
-  steps = sorted(int(name) for name in os.listdir(directory) if name.isdigit()) if os.path.isdir(directory) else []
-  if not steps:
+def _reader(directory: str) -> tuple[ocp.CheckpointManager, int]:
+  """A reader of `directory` (a run's `checkpoints`) and its newest step, as Orbax lists them;
+  FileNotFoundError when it holds none."""
+  if not os.path.isdir(directory):
     raise FileNotFoundError(f"no checkpoint in {directory}: expected the workdir of a run")
-  return steps[-1]
+  reader = ocp.CheckpointManager(directory, item_names=("state", "digests"))
+  steps = sorted(reader.all_steps())
+  if not steps:
+    reader.close()
+    raise FileNotFoundError(f"no checkpoint in {directory}: expected the workdir of a run")
+  return reader, steps[-1]
 
 
 def saved_params_keys(workdir: str) -> tuple[str, ...]:
@@ -212,8 +217,10 @@ def saved_params_keys(workdir: str) -> tuple[str, ...]:
   (read from its metadata, no array is loaded): e.g. ('language_model', 'projector',
   'vision_tower') for a K2.5 run, the decoder's own keys for a text run."""
   directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+  reader, step = _reader(directory)
+  reader.close()
   with _quiet_orbax():
-    tree = ocp.PyTreeCheckpointer().metadata(os.path.join(directory, str(_latest_step(directory)), "state"))
+    tree = ocp.PyTreeCheckpointer().metadata(os.path.join(directory, str(step), "state"))
   return tuple(tree.item_metadata["params"].keys())
 
 
@@ -224,8 +231,7 @@ def restore_params(workdir: str, target, under: str | None = None):
   a text-only model). Raises FileNotFoundError when it holds no checkpoint, CorruptCheckpoint
   when the params differ from what was saved."""
   directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-  step = _latest_step(directory)
-  reader = ocp.CheckpointManager(directory, item_names=("state", "digests"))
+  reader, step = _reader(directory)
   wrapped = target if under is None else {under: target}
   restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), wrapped)
   items = {"state": ocp.args.PyTreeRestore(item={"params": wrapped}, restore_args={"params": restore_args},

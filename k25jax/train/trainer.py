@@ -68,6 +68,20 @@ def restore_params(model: Model, workdir: str, mesh: jax.sharding.Mesh, part: st
   return checkpoint.restore_params(workdir, target, under=under)
 
 
+def params_from(model: Model, init: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, seed: int):
+  """The params `init` names (`init.checkpoint`, or `init.text_checkpoint`: its decoder, the rest
+  `fresh_params(seed)`), or None when it names neither."""
+  if init.checkpoint and init.get("text_checkpoint"):
+    raise ValueError(f"init.checkpoint={init.checkpoint!r} and init.text_checkpoint={init.text_checkpoint!r}: "
+                     "set one (all params from a run of this model, or the language model from a text run)")
+  if init.checkpoint:
+    return restore_params(model, init.checkpoint, mesh)
+  if init.get("text_checkpoint"):
+    text = restore_params(model, init.text_checkpoint, mesh, k25.LANGUAGE_MODEL)
+    return {**fresh_params(model, mesh, seed), k25.LANGUAGE_MODEL: text}
+  return None
+
+
 def abstract_state(model: Model, tx) -> state_lib.TrainState:
   """The train state's shapes, every leaf in its logical-axis box (no allocation)."""
   return state_lib.abstract(abstract_params(model), tx)
@@ -165,16 +179,8 @@ class Trainer:
     return new_state(self.model, self.tx, self.mesh, self.seed, params)
 
   def params_from(self, init: ml_collections.ConfigDict):
-    """The params `init` names (`init.checkpoint` or `init.text_checkpoint`), or None."""
-    if init.checkpoint and init.get("text_checkpoint"):
-      raise ValueError(f"init.checkpoint={init.checkpoint!r} and init.text_checkpoint={init.text_checkpoint!r}: "
-                       "set one (all params from a run of this model, or the language model from a text run)")
-    if init.checkpoint:
-      return restore_params(self.model, init.checkpoint, self.mesh)
-    if init.get("text_checkpoint"):
-      text = restore_params(self.model, init.text_checkpoint, self.mesh, k25.LANGUAGE_MODEL)
-      return {**fresh_params(self.model, self.mesh, self.seed), k25.LANGUAGE_MODEL: text}
-    return None
+    """`params_from` of this trainer's model, mesh and seed."""
+    return params_from(self.model, init, self.mesh, self.seed)
 
   def save(self, step: int, state, data_iterator=None) -> None:
     self.checkpoints.save(step, state, data_iterator)
