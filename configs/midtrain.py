@@ -54,6 +54,7 @@ def get_config(arg=None):
       vision_start=0.0,
       vision_tasks=common.VISUAL_TASKS,
       max_patches=1024,
+      shard_media=False,                     # True: media split with the rows, one blob per data shard
       vision_eval_batches=1,
   ))
 

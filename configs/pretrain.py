@@ -7,26 +7,39 @@ library), `small` (~0.9B total params, one GPU or a TPU slice, FSDP), `joint` (t
 tiny K2.5 on text mixed with synthetic images and videos, 10% of the tokens vision from
 step 0: `configs/pretrain.py:joint`) and `k25` (the released 1T text backbone on a TPU
 pod: scanned MoE layers, expert parallelism, MuonClip, 1024 × 4096 tokens a step;
-`experiments/aot_compile.py` compiles its step for a pod from a CPU).
+`experiments/aot_compile.py` compiles its step for a pod from a CPU). Switch `joint` of k25
+(`configs/pretrain.py:k25,joint`): the released K2.5 (MoonViT-3D + the 1T decoder) on the
+same pod and batch, 10% of the tokens vision, media sharded with their rows (each of the
+512 data shards encodes its own images, at most 4096 patches, through the segment-aware
+flash kernel).
 """
 import ml_collections
 
 from configs import common
 
 PRESETS = ("tiny", "small", "joint", "k25")
+SWITCHES = ("joint",)
+K25_SHARD_PATCHES = 4096     # k25,joint: the patch budget of each data shard
 
 
 def get_config(arg=None):
-  preset, _ = common.preset_and_switches(arg, "configs/pretrain.py", PRESETS)
+  preset, switches = common.preset_and_switches(arg, "configs/pretrain.py", PRESETS, SWITCHES)
+  if switches and preset != "k25":
+    raise ValueError("configs/pretrain.py: the joint switch is for the k25 preset (the tiny one is the joint preset)")
   tiny = preset in ("tiny", "joint")
-  joint = preset == "joint"
   k25 = preset == "k25"
+  k25_joint = k25 and "joint" in switches
+  joint = preset == "joint" or k25_joint
   c = ml_collections.ConfigDict()
   c.stage = "pretrain"
 
   # k25 on a pod: one compiled MoE layer body, layers recomputed in the backward, grouped matmuls.
   pod = dict(scan_layers=True, remat_policy="full", moe_impl="ragged_dot") if k25 else {}
-  c.model = common.k25_model_section("tiny") if joint else common.model_section(preset, **pod)
+  if k25_joint:
+    c.model = common.k25_model_section("k25", **pod)
+    c.model.vision.attention_impl = "pallas"
+  else:
+    c.model = common.k25_model_section("tiny") if joint else common.model_section(preset, **pod)
   c.init = common.init_section(k25=joint)
 
   c.data = ml_collections.ConfigDict(dict(
@@ -43,6 +56,7 @@ def get_config(arg=None):
         vision_start=0.0,                    # fraction of the steps before vision starts (0: early fusion)
         vision_tasks=common.VISUAL_TASKS,
         max_patches=256,                     # the vision tower's patch budget per batch
+        shard_media=False,                   # True: media split with the rows, one blob per data shard
         vision_eval_batches=2,               # held-out vision-only batches per evaluation
     ))
 
@@ -71,4 +85,6 @@ def get_config(arg=None):
     c.optimizer.lr = 2e-4
     c.mesh.update(fsdp=-1, expert=64)
     c.train.update(batch=1024, seq_len=4096)
+  if k25_joint:   # 512 data shards (fsdp=8 x expert=64) of 2 rows, each with its own media
+    c.data.update(max_patches=K25_SHARD_PATCHES * 512, shard_media=True)
   return c

@@ -24,6 +24,7 @@ def get_config(arg=None):
       vocab_file="",
       tasks=common.VISUAL_TASKS,             # caption, count, read, chart, motion
       max_patches=768,                       # the vision tower's patch budget per batch
+      shard_media=False,                     # True: media split with the rows, one blob per data shard
   ))
 
   c.optimizer = common.optimizer_section(lr=2e-3, warmup_steps=10, decay_steps=50, name="muonclip")

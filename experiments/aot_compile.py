@@ -5,16 +5,22 @@
         --mesh=fsdp=8,expert=64 --mesh=fsdp=4,expert=128 --remat=full [--set train.batch=1024]
     python experiments/aot_compile.py --config=configs/midtrain.py:k25 --topology=v5p:8x8x8
     python experiments/aot_compile.py --config=configs/rl.py:k25 --topology=v5p:8x8x8
+    python experiments/aot_compile.py --config=configs/pretrain.py:k25,joint --topology=v5p:8x8x8
 
 `jax.experimental.topologies.get_topology_desc` describes the pod's chips without any
 attached, and `jit(step).lower(abstract state, abstract batch).compile()` runs the TPU
 compiler for them. The step is the stage's own (`config.stage`), with the state donated:
 
     pretrain  k25jax.stages.pretrain.make_step   the K2 decoder on [batch, seq_len] rows
+    pretrain  k25jax.train.joint.make_step       (a K2.5 model section, `pretrain.py:k25,joint`)
+                                                 the K2.5 model on joint rows with their media:
+                                                 with data.shard_media, pixel_values
+                                                 [D, P/D, 3, 14, 14] and the patch layout split
+                                                 over the D data shards with the rows
     midtrain  k25jax.train.joint.make_step       the K2.5 model with the stage's YaRN
                                                  (stages.midtrain.long_context_model) on
-                                                 text-only rows: media are replicated on every
-                                                 device, so the media step is not compiled
+                                                 text-only rows (the step with media: the
+                                                 K2.5 pretrain above)
     rl        k25jax.rl.driver.update_step       the policy loss (loss.name) on one update's
                                                  loss rows: rl.prompts_per_iteration ·
                                                  rl.num_generations / rl.minibatches rows as
@@ -51,14 +57,16 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from k25jax.data import tokenizer  # noqa: E402
 from k25jax.model import config as model_config  # noqa: E402
-from k25jax.model import expert_parallel, k25, transformer  # noqa: E402
+from k25jax.model import expert_parallel, k25, transformer, vision  # noqa: E402
 from k25jax.rl import driver  # noqa: E402
 from k25jax.stages import midtrain, pretrain  # noqa: E402
 from k25jax.train import config_utils, joint, optimizer, sharding, trainer as trainer_lib  # noqa: E402
@@ -101,8 +109,11 @@ def collective_counts(hlo_text: str) -> dict[str, int]:
   return counts
 
 
-def default_out(stage: str) -> str:
-  return DEFAULT_OUT if stage == "pretrain" else os.path.join(RESULTS, f"aot_compile_{stage}.json")
+def default_out(config) -> str:
+  """aot_compile.json (text pretrain), aot_compile_joint.json (a K2.5 pretrain), else _<stage>."""
+  if config.stage == "pretrain":
+    return os.path.join(RESULTS, "aot_compile_joint.json") if "vision" in config.model else DEFAULT_OUT
+  return os.path.join(RESULTS, f"aot_compile_{config.stage}.json")
 
 
 def target_model_config(cfg: model_config.ModelConfig, platform: str) -> model_config.ModelConfig:
@@ -125,6 +136,14 @@ def stage_program(config, platform: str) -> dict:
   """What the stage compiles (module docstring): model, optimizer, `make_step()` (call it under
   the mesh), the batch's fields and its [rows, width]."""
   stage = config.stage
+  if stage == "pretrain" and "vision" in config.model:
+    cfg = config_utils.k25_config_from(config.model, tokenizer.load(config.data.tokenizer, config.data.vocab_file,
+                                                                    media=True))
+    model = k25.K25(cfg.replace(text=target_model_config(cfg.text, platform)))
+    tx = optimizer.make_optimizer(config.optimizer, config.train.steps)
+    return dict(model=model, tx=tx, fields=JOINT_FIELDS, rows=config.train.batch, width=config.train.seq_len,
+                media=config.data.max_patches, sharded_media=config.data.shard_media,
+                make_step=lambda: joint.make_step(config, model, tx, True, config.data.shard_media))
   if stage == "pretrain":
     model = transformer.Transformer(target_model_config(config_utils.model_config_from(config.model), platform))
     tx = optimizer.make_optimizer(config.optimizer, config.train.steps)
@@ -148,6 +167,21 @@ def stage_program(config, platform: str) -> dict:
 def abstract_batch(batch: int, seq_len: int, mesh, fields: dict = BATCH_FIELDS) -> dict:
   spec = sharding.batch_sharding(mesh)
   return {name: jax.ShapeDtypeStruct((batch, seq_len), dtype, sharding=spec) for name, dtype in fields.items()}
+
+
+def abstract_media(cfg: model_config.K25Config, max_patches: int, mesh, sharded: bool) -> dict:
+  """pixel_values and the patch layout of a budget of `max_patches` patches: [P, ...]
+  replicated, or [D, P/D, ...] over the batch axes (D = the mesh's data shards)."""
+  shards = sharding.batch_shards(mesh) if sharded else 1
+  if max_patches % shards:
+    raise ValueError(f"data.max_patches={max_patches} does not split over {shards} media shards")
+  layout = vision.patch_layout([], cfg.vision, num_patches=max_patches // shards,
+                               num_merged=max_patches // shards // cfg.vision.merge_size)
+  pixels = np.zeros((max_patches // shards, 3, cfg.vision.patch_size, cfg.vision.patch_size), np.float32)
+  lead = (shards,) if sharded else ()
+  spec = NamedSharding(mesh, P(sharding.BATCH_AXES) if sharded else P())
+  shape = lambda x: jax.ShapeDtypeStruct(lead + x.shape, x.dtype, sharding=spec)
+  return {"pixel_values": shape(pixels), "layout": jax.tree.map(shape, layout)}
 
 
 def measure(compiled, device, seconds: float) -> dict:
@@ -194,7 +228,10 @@ def compile_step(config, devices, mesh_sizes: dict, remat: str, compiler_options
   with jax.set_mesh(mesh):
     expert_parallel.check_layout(cfg, HBM.get(devices[0].device_kind))
     state = trainer_lib.state_target(model, tx, mesh)   # ShapeDtypeStructs with shardings, nothing allocated
-    lowered = program["make_step"]().lower(state, abstract_batch(rows, width, mesh, program["fields"]))
+    batch = abstract_batch(rows, width, mesh, program["fields"])
+    if "media" in program:
+      batch.update(abstract_media(model.cfg, program["media"], mesh, program["sharded_media"]))
+    lowered = program["make_step"]().lower(state, batch)
     compiled = lowered.compile(compiler_options)
   row = {"mesh": {k: v for k, v in mesh.shape.items() if v > 1}, "remat": remat,
          **measure(compiled, devices[0], time.perf_counter() - start), "model": model_fields(cfg)}
@@ -279,7 +316,7 @@ def main():
             "device_kind": devices[0].device_kind, "overrides": args.set, "global_batch": rows,
             "seq_len": width, "analytic_flops_per_step": flops, "layouts": results, "jax": jax.__version__}
   finish(result, [mesh_name(r["mesh"]) for r in results if "error" in r or r["fits"] is False], args.out,
-         default_out(config.stage))
+         default_out(config))
 
 
 def finish(result: dict, failed: list[str], out: str | None, default: str) -> None:

@@ -50,3 +50,17 @@ def test_rl_k25_updates_the_released_model_on_rows_of_its_longest_responses():
   assert rows % rl.num_generations == 0                         # an update holds whole groups
   rows, tokens = _row_split(config.mesh.to_dict(), rows, rl.max_new_tokens)
   assert rows * tokens == TOKENS_A_CHIP
+
+
+def test_pretrain_k25_joint_is_the_released_k25_with_media_sharded_over_the_pod():
+  config = load_config("configs/pretrain.py", "k25,joint")
+  cfg = config_utils.k25_config_from(config.model, tokenizer.load("bytes", media=True))
+  assert _released_but_ours(cfg.text) == RELEASED
+  assert cfg.vision.replace(attention_impl="xla") == model_config.k25_preset("k25").vision
+  assert cfg.vision.attention_impl == "pallas" and config.data.shard_media and config.data.vision_ratio == 0.1
+  assert config.train.batch * config.train.seq_len >= 2 * 1024 * 1024
+  data, fsdp, expert, _, _ = sharding.mesh_shape(config.mesh.to_dict(), POD)
+  assert config.data.max_patches // (data * fsdp * expert) == 4096           # patches a data shard encodes
+  assert config.optimizer.name == "muonclip"
+  with pytest.raises(ValueError, match="joint switch is for the k25 preset"):
+    load_config("configs/pretrain.py", "tiny,joint")

@@ -3,9 +3,13 @@
 Per batch t of B rows × S positions, every row filled to S (when r_t < 1):
 
     want_t = r_t · B · S + debt_{t−1}       vision positions this batch should hold
-    take vision samples in order while Σ len + ½ · len(next) ≤ want_t and first-fit finds
-    a row for the next one;  debt_t = want_t − Σ len   (error diffusion: the running share
+    take vision samples in order while Σ len + ½ · len(next) ≤ want_t and a row is found
+    for the next one;  debt_t = want_t − Σ len   (error diffusion: the running share
     stays within half a sample of the target, so a share of 10% holds batch after batch)
+    media shards: the rows form D consecutive groups of B/D (one per data shard of the mesh,
+    which encodes its own media), each with a patch budget P/D; the next sample goes to the
+    shard holding the fewest patches where it fits (budget and a row with room), first-fit
+    among that shard's rows (D = 1: plain first-fit under the batch's budget P)
     fill the rest of every row with text: documents [BOS] text [EOS] as (input, target)
     pairs; a document cut at a row's end continues in the next row as a new segment
 
@@ -25,7 +29,8 @@ from step 0, mid 20:80 from 50% and late 50:50 from 80% all give 0.1.
 
 Features (numpy, [B, S]): inputs, targets, positions, segment_ids, loss_mask (as
 `pipeline.lm_dataset`), is_vision (1 on positions of vision samples); plus `media`, the
-`vision.Media` items in the row-major order of their placeholders. Vision samples put the
+`vision.Media` items in the row-major order of their placeholders (a shard's items are
+consecutive), and `shard_patches` [D], the patches each media shard holds. Vision samples put the
 loss on their answers (`VisionSample.answer_start`), text on every target.
 """
 from __future__ import annotations
@@ -116,17 +121,20 @@ class MixtureIterator(grain.DatasetIterator):
 
   vision_sample(i) -> the i-th `VisionSample` (a pure function of i); text: a grain iterator
   of token arrays ([BOS] … [EOS] documents). Each sample must fit in one row; a batch's media
-  hold at most `max_patches` patches (the vision tower's fixed budget: one compilation).
+  hold at most `max_patches` patches (the vision tower's fixed budget: one compilation),
+  `max_patches / shards` in each of the `shards` media shards.
   """
 
   def __init__(self, *, vision_sample: Callable[[int], visual_synthetic.VisionSample],
                text: grain.DatasetIterator | None, schedule: VisionSchedule, batch: int, seq_len: int,
-               total_steps: int, max_patches: int):
+               total_steps: int, max_patches: int, shards: int = 1):
     super().__init__()
     if text is None and schedule.ratio < 1.0:
       raise ValueError(f"data.vision_ratio={schedule.ratio} < 1 needs a text source")
+    check_shards(batch, max_patches, shards)
     self.vision_sample, self.text, self.schedule = vision_sample, text, schedule
     self.batch, self.seq_len, self.total_steps, self.max_patches = batch, seq_len, total_steps, max_patches
+    self.shards, self.shard_budget = shards, max_patches // shards
     self.step, self.vision_index, self.debt = 0, 0, 0.0
     self.doc, self.doc_pos = np.zeros(0, np.int32), 0
     self.cache: dict[int, visual_synthetic.VisionSample] = {}
@@ -139,28 +147,43 @@ class MixtureIterator(grain.DatasetIterator):
     if len(sample) - 1 > self.seq_len:
       raise ValueError(f"vision sample {self.vision_index} ({sample.task}) has {len(sample) - 1} positions, "
                        f"more than train.seq_len={self.seq_len}")
-    if sample.num_patches > self.max_patches:
+    if sample.num_patches > self.shard_budget:
+      per_shard = f" / {self.shards} media shards" if self.shards > 1 else ""
       raise ValueError(f"vision sample {self.vision_index} ({sample.task}) has {sample.num_patches} patches, "
-                       f"more than the budget of {self.max_patches} (data.max_patches)")
+                       f"more than the budget of {self.shard_budget} (data.max_patches={self.max_patches}"
+                       f"{per_shard})")
     return sample
 
-  def place_vision(self, rows: list[Row], ratio: float) -> None:
+  def find_row(self, rows: list[Row], patches: list[int], sample: visual_synthetic.VisionSample) -> int | None:
+    """The row for `sample` (module docstring): the least-loaded shard with room, first-fit in it."""
+    per_shard = self.batch // self.shards
+    for shard in sorted(range(self.shards), key=lambda s: (patches[s], s)):
+      if patches[shard] + sample.num_patches > self.shard_budget:
+        continue
+      for r in range(shard * per_shard, (shard + 1) * per_shard):
+        if rows[r].space >= len(sample) - 1:
+          return r
+    return None
+
+  def place_vision(self, rows: list[Row], ratio: float) -> list[int]:
+    """Places this batch's vision samples; returns the patches of each media shard."""
     only_vision = ratio >= 1.0
     want = self.batch * self.seq_len if only_vision else ratio * self.batch * self.seq_len + self.debt
-    taken = patches = 0
+    taken, patches, per_shard = 0, [0] * self.shards, self.batch // self.shards
     while True:
       sample = self.peek()
       n = len(sample) - 1
-      if (not only_vision and taken + n / 2 > want) or patches + sample.num_patches > self.max_patches:
+      if not only_vision and taken + n / 2 > want:
         break
-      row = next((r for r in rows if r.space >= n), None)
-      if row is None:
+      r = self.find_row(rows, patches, sample)
+      if r is None:
         break
-      row.add(*sample_pairs(sample), True, sample.media)
+      rows[r].add(*sample_pairs(sample), True, sample.media)
       taken += n
-      patches += sample.num_patches
+      patches[r // per_shard] += sample.num_patches
       self.vision_index += 1
     self.debt = 0.0 if only_vision or ratio == 0.0 else want - taken
+    return patches
 
   # ------------------------------------------------------------------ text
   def fill_text(self, row: Row) -> None:
@@ -177,14 +200,14 @@ class MixtureIterator(grain.DatasetIterator):
   def __next__(self) -> dict:
     ratio = self.schedule.ratio_at(self.step, self.total_steps)
     rows = [Row(self.seq_len) for _ in range(self.batch)]
-    if ratio > 0.0:
-      self.place_vision(rows, ratio)
+    patches = self.place_vision(rows, ratio) if ratio > 0.0 else [0] * self.shards
     if ratio < 1.0:
       for row in rows:
         self.fill_text(row)
     self.step += 1
     features = rows_to_features(rows, self.seq_len)
     features["media"] = [m for row in rows for m in row.media]
+    features["shard_patches"] = np.asarray(patches, np.int32)
     return features
 
   def get_state(self) -> dict:
@@ -199,6 +222,21 @@ class MixtureIterator(grain.DatasetIterator):
       self.text.set_state(state["text"])
 
 
+def check_shards(batch: int, max_patches: int, shards: int) -> None:
+  """Raises ValueError unless `shards` media shards split the rows and the patch budget evenly."""
+  if shards < 1 or batch % shards or max_patches % shards:
+    raise ValueError(f"{shards} media shards (one per data shard of the mesh) must divide train.batch={batch} "
+                     f"and data.max_patches={max_patches}")
+
+
+def patch_imbalance(shard_patches: np.ndarray) -> float:
+  """max_s patches_s / mean_s patches_s of one batch (1 = balanced; 0 patches: 1): the factor
+  by which the busiest shard's vision tower outlasts an even split."""
+  shard_patches = np.asarray(shard_patches, np.float64)
+  mean = shard_patches.mean()
+  return float(shard_patches.max() / mean) if mean > 0 else 1.0
+
+
 def text_documents(docs: list[str], tok: Tokenizer, *, seed: int, shuffle: bool = True, shard_index: int = 0,
                    shard_count: int = 1) -> grain.DatasetIterator:
   """An endless grain iterator of tokenized documents ([BOS] + text + [EOS])."""
@@ -209,13 +247,15 @@ def text_documents(docs: list[str], tok: Tokenizer, *, seed: int, shuffle: bool 
 
 
 def mixture(*, docs: list[str] | None, tok: Tokenizer, schedule: VisionSchedule, tasks, batch: int,
-            seq_len: int, total_steps: int, seed: int, max_patches: int, shuffle: bool = True) -> MixtureIterator:
-  """Synthetic vision samples (stream `seed`) mixed with `docs` by `schedule`."""
+            seq_len: int, total_steps: int, seed: int, max_patches: int, shuffle: bool = True,
+            shards: int = 1) -> MixtureIterator:
+  """Synthetic vision samples (stream `seed`) mixed with `docs` by `schedule`, the rows in
+  `shards` media shards."""
   tasks = visual_synthetic.check_tasks(tasks)
   text = None if docs is None else text_documents(docs, tok, seed=seed, shuffle=shuffle)
   return MixtureIterator(vision_sample=lambda i: visual_synthetic.sample(i, seed, tok, tasks), text=text,
                          schedule=schedule, batch=batch, seq_len=seq_len, total_steps=total_steps,
-                         max_patches=max_patches)
+                         max_patches=max_patches, shards=shards)
 
 
 def vision_share(batches: Iterator[dict], n: int) -> float:

@@ -12,7 +12,10 @@ Params: {LANGUAGE_MODEL: the Transformer's, VISION_TOWER: ..., PROJECTOR: ...}
     logits, aux = model.apply({"params": params}, tokens, pixel_values, grid_thw)
 
 grid_thw: a static tuple of (t, h, w) per item (one compilation per distinct tuple) or a
-`vision.PatchLayout` (jit arguments, padded to a budget). Call `check_media(tokens, grid_thw,
+`vision.PatchLayout` (jit arguments, padded to a budget). Media in D shards: pixel_values
+[D, N, 3, p, p] and a PatchLayout whose arrays lead with D; the rows split into D consecutive
+groups, and group d's placeholders take shard d's features in order (each shard is encoded
+on its own: under a mesh, by the devices holding its rows). Call `check_media(tokens, grid_thw,
 cfg)` on the host before jit: it raises on a placeholder count that does not match the media.
 Inside jit the count cannot raise; aux["media_mismatch"] is then True (see `media.splice`).
 """
@@ -60,7 +63,12 @@ class K25(nn.Module):
                                          eps=cfg.projection_layer_norm_eps)
 
   def encode_media(self, pixel_values: jax.Array, grid_thw) -> jax.Array:
-    """Projector outputs [M, text hidden], the rows that replace the placeholders in order."""
+    """Projector outputs [M, text hidden], the rows that replace the placeholders in order;
+    [D, M, text hidden] for media in D shards (pixel_values [D, N, 3, p, p])."""
+    if pixel_values.ndim == 5:
+      per_shard = nn.vmap(lambda module, pixels, layout: module.encode_media(pixels, layout),
+                          variable_axes={"params": None}, split_rngs={"params": False})
+      return per_shard(self, pixel_values, grid_thw)
     return self.mm_projector(self.vision_tower(pixel_values, grid_thw))
 
   def __call__(self, tokens: jax.Array, pixel_values: jax.Array | None = None, grid_thw=None,
@@ -90,7 +98,7 @@ def _num_valid_features(grid_thw, features: jax.Array):
   """Merged tokens that belong to an item (all of them unless a padded PatchLayout)."""
   if isinstance(grid_thw, vision.PatchLayout):
     return jnp.sum(jnp.asarray(grid_thw.merged_items) > 0)
-  return features.shape[0]
+  return features.shape[0] * (features.shape[1] if features.ndim == 3 else 1)
 
 
 def _dummy_inputs(cfg: K25Config):

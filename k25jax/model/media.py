@@ -54,14 +54,22 @@ def check_placeholders(mask: np.ndarray, items_tokens: Sequence[int]) -> None:
 
 
 def splice(h: jax.Array, features: jax.Array, mask: jax.Array) -> jax.Array:
-  """h with the j-th masked row (row-major) replaced by features[j].
+  """h with the j-th masked position (row-major) replaced by features[j].
 
-  h: [batch, seq, d]; features: [n, d]; mask: bool [batch, seq]. Traced, so a count mismatch
-  cannot raise here (callers check on the host first: `k25.check_media`): placeholders past
-  row n − 1 get zeros, feature rows past the last placeholder are unused.
+  h: [batch, seq, d]; features: [n, d], or [D, n, d] for media in D shards (the rows split
+  into D consecutive groups; group g's j-th placeholder takes features[g, j]); mask: bool
+  [batch, seq]. Traced, so a count mismatch cannot raise here (callers check on the host
+  first: `k25.check_media`): placeholders past row n − 1 get zeros, feature rows past the
+  last placeholder are unused. Within a group, index = (placeholders of the earlier rows) +
+  (placeholders before it in its row), so a row split along the sequence stays split.
   """
-  flat_mask = mask.reshape(-1)
-  index = jnp.cumsum(flat_mask.astype(jnp.int32)) - 1
-  gathered = jnp.take(features, index, axis=0, mode="fill", fill_value=0)
-  out = jnp.where(flat_mask[:, None], gathered.astype(h.dtype), h.reshape(-1, h.shape[-1]))
-  return out.reshape(h.shape)
+  shards = features.shape[0] if features.ndim == 3 else 1
+  b, s, d = h.shape
+  grouped = lambda x: x.reshape((shards, b // shards) + x.shape[1:])
+  per_shard = features.reshape((shards,) + features.shape[-2:])
+  mask = grouped(mask).astype(jnp.int32)
+  in_row = jnp.cumsum(mask, axis=-1)
+  index = in_row - 1 + (jnp.cumsum(in_row[..., -1], axis=-1) - in_row[..., -1])[..., None]
+  gathered = jax.vmap(lambda f, i: jnp.take(f, i, axis=0, mode="fill", fill_value=0))(per_shard, index)
+  out = jnp.where(mask[..., None] > 0, gathered.astype(h.dtype), grouped(h))
+  return out.reshape(b, s, d)

@@ -135,9 +135,10 @@ def patch_layout(grid_thw: Grid, cfg: VisionConfig, num_patches: int | None = No
 
   num_patches / num_merged: pad to these sizes (a fixed budget, so jit compiles once); they
   must be at least Σ t·h·w and Σ h·w/(kh·kw). Padding patches form segment 0 and are dropped
-  by the merger; padded merged tokens have merged_items = 0.
+  by the merger; padded merged tokens have merged_items = 0 (no items: all padding, as a media
+  shard whose rows hold no media).
   """
-  grids = check_grid(grid_thw, cfg)
+  grids = check_grid(grid_thw, cfg) if len(grid_thw) else ()
   kh, kw = cfg.merge_kernel_size
   k = kh * kw
   side_h, side_w = cfg.pos_emb_height, cfg.pos_emb_width
@@ -162,7 +163,9 @@ def patch_layout(grid_thw: Grid, cfg: VisionConfig, num_patches: int | None = No
     n_merged = num_media_tokens((t, h, w), cfg.merge_kernel_size)
     parts["merged_items"].append(np.full(n_merged, item))
     merged_offset += n_merged
-  layout = {name: np.concatenate(arrays) for name, arrays in parts.items()}
+  trailing = dict(pos_index=(16,), pos_weight=(16,))     # an empty item list: all-padding layout
+  layout = {name: np.concatenate(arrays) if arrays else np.zeros((0,) + trailing.get(name, ()))
+            for name, arrays in parts.items()}
   n, m = layout["segment_ids"].shape[0], merged_offset
   num_patches = n if num_patches is None else int(num_patches)
   num_merged = m if num_merged is None else int(num_merged)

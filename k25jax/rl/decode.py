@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from k25jax.model.config import ModelConfig
 from k25jax.rl import sampler
@@ -49,11 +50,12 @@ def decode(cfg: ModelConfig, params, contexts: Sequence[Sequence[int]], rng: jax
            media_for: MediaFor | None = None) -> dict[str, np.ndarray]:
   """One sampler call for all `contexts` (`pad`'s layout; `media_for` gives the padded rows'
   media). Returns the sampler's host arrays for the contexts' rows: tokens and logprobs
-  [n, max_new_tokens], lengths [n]."""
+  [n, max_new_tokens], lengths [n] (the whole batch in every process)."""
   prompts, lengths = pad(contexts, cfg, sampling, width_multiple=width_multiple, min_rows=min_rows,
                          bucket_rows=bucket_rows)
   media = media_for(prompts) if media_for is not None else None
-  out = jax.device_get(sampler.generate(cfg, params, prompts, lengths, rng, sampling, media=media))
+  out = sampler.generate(cfg, params, prompts, lengths, rng, sampling, media=media)
+  out = multihost_utils.process_allgather(out, tiled=True) if jax.process_count() > 1 else jax.device_get(out)
   return {name: np.asarray(value)[:len(contexts)] for name, value in out.items()}
 
 

@@ -13,7 +13,9 @@ stage's `collect` and `evaluate`:
     `loop.Diverged` after train.max_consecutive_skipped skipped (non-finite) updates in a row
 
 The train state counts optimizer updates: a resumed run continues at iteration
-state.step // rl.minibatches. A stage's `run` is: task, model and start → `Trainer` →
+state.step // rl.minibatches. Several processes (jax.distributed): every process collects
+the same rollouts (one sampler over all devices, `k25jax.rl.sampler`), so each holds every
+loss row and puts its devices' slices of them (`sharding.from_host`). A stage's `run` is: task, model and start → `Trainer` →
 `train(trainer, state, config, collect=..., evaluate=...)`.
 """
 from __future__ import annotations
@@ -95,7 +97,7 @@ def train(trainer, state, config: ml_collections.ConfigDict, *, collect: Callabl
         train_step, update_step(config, trainer.model, trainer.tx, banned=banned, batch_specs=text_specs))
   if to_device is None:
     rows_sharding = sharding.batch_sharding(trainer.mesh)
-    to_device = lambda rows, rollouts, part: sharding.global_batch(rows, rows_sharding)
+    to_device = lambda rows, rollouts, part: sharding.from_host(rows, rows_sharding)
   history = []
 
   def run_evaluation(iteration: int, params) -> None:

@@ -14,6 +14,10 @@ The recorded log-prob is log softmax(logits / T)[token] for temperature T > 0 (t
 top-p truncation is a sampling device and is not renormalised into it), and
 log softmax(logits)[token] for greedy decoding (T = 0): the π_old of the RL loss.
 `banned_tokens` are removed from the distribution before sampling and scoring.
+
+Several processes (jax.distributed): every process calls `generate` with the same prompts
+and key; they enter as arrays replicated over the params' mesh, so the processes run ONE
+decode over all devices and each can read the whole result (`decode.decode`).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import numpy as np
 from k25jax import losses
 from k25jax.model import attention, transformer
 from k25jax.model.config import ModelConfig
+from k25jax.train import sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,4 +153,12 @@ def generate(cfg: ModelConfig, params, prompts, prompt_lengths, rng: jax.Array,
   if lengths.min() < 1 or lengths.max() > prompts.shape[1]:
     raise ValueError(f"prompt_lengths must lie in [1, {prompts.shape[1]}], got {lengths.tolist()}")
   check_lengths(cfg, prompts.shape[1], sampling)
+  if jax.process_count() > 1:
+    prompts, prompt_lengths, rng = replicated_like(params, (prompts, prompt_lengths, rng))
   return _generate(params, prompts, prompt_lengths, rng, media, cfg=cfg, sampling=sampling)
+
+
+def replicated_like(params, host_values):
+  """`host_values` (the same on every process) replicated over the mesh of `params`."""
+  mesh = jax.tree.leaves(params)[0].sharding.mesh
+  return sharding.from_host(jax.tree.map(np.asarray, host_values), sharding.replicated(mesh))

@@ -37,11 +37,12 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
                                 LM: optax.set_to_zero()}, lambda params: {k: k for k in params})
 
 
-def datasets(config, tok):
-  """(train iterator, eval batches): vision samples only, eval from seed train.seed + 1."""
+def datasets(config, tok, shards: int = 1):
+  """(train iterator, eval batches): vision samples only, eval from seed train.seed + 1, the
+  rows in `shards` media shards."""
   kw = dict(docs=None, tok=tok, schedule=mixture.VisionSchedule(1.0), tasks=config.data.tasks,
             batch=config.train.batch, seq_len=config.train.seq_len, total_steps=config.train.steps,
-            max_patches=config.data.max_patches)
+            max_patches=config.data.max_patches, shards=shards)
   train = mixture.mixture(seed=config.train.seed, **kw)
   held_out = mixture.mixture(seed=config.train.seed + 1, **kw)
   return train, [next(held_out) for _ in range(config.train.eval_batches)]
@@ -55,19 +56,20 @@ def check(config) -> None:
 
 def run(config: ml_collections.ConfigDict, workdir: str):
   """Trains to `config.train.steps`, resuming from the workdir. Returns (state, history)."""
-  multimodal.check_single_process("vit")
   check(config)
   tok = tokenizer.load(config.data.tokenizer, config.data.vocab_file, media=True)
   model = k25.K25(config_utils.k25_config_from(config.model, tok))
   mesh = sharding.make_mesh(config.mesh.to_dict())
   trainer_lib.check_rows(config, tok, model, mesh)
-  train_data, eval_data = datasets(config, tok)
-  prepare = lambda b: multimodal.to_device(multimodal.device_features(b, model.cfg, config.data.max_patches), mesh)
+  shards = multimodal.media_shards(config, mesh)
+  train_data, eval_data = datasets(config, tok, shards)
+  prepare = lambda b: multimodal.to_device(
+      multimodal.device_features(b, model.cfg, config.data.max_patches, shards), mesh)
   with trainer_lib.Trainer.for_config(config, workdir, model, make_optimizer(config), mesh) as trainer:
     state = trainer.start(config.init, train_data)
     logging.info("vit: projector only from step %d, LM %s, starting at step %d", config.vit.projector_only_from,
                  config.init.text_checkpoint or config.init.checkpoint or "random (frozen)", int(state.step))
-    specs = multimodal.batch_specs(True)
+    specs = multimodal.batch_specs(True, sharded_media=shards > 1)
     step = trainer.train_step(objective.for_section(model, config.train, frozen=(LM,)), router_bias_rate=0.0,
                               batch_specs=specs)   # the LM's router bias stays too
     eval_step = trainer.eval_step(objective.for_section(model, config.train), specs)

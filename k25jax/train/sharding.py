@@ -137,10 +137,22 @@ def global_batch(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[
   return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local)
 
 
+def from_host(tree, sharding: NamedSharding):
+  """Global arrays laid out by `sharding` from host arrays that every process holds whole
+  (the same values everywhere); each process puts only its own devices' slices."""
+  return jax.tree.map(lambda x: jax.make_array_from_callback(np.shape(x), sharding,
+                                                             lambda index, x=np.asarray(x): x[index]), tree)
+
+
+def batch_shards(mesh: jax.sharding.Mesh) -> int:
+  """The groups of rows a batch splits into: the product of the mesh's batch axes."""
+  return int(np.prod([mesh.shape[axis] for axis in BATCH_AXES]))
+
+
 def check_batch(mesh: jax.sharding.Mesh, rows: int, field: str) -> None:
   """A config error, naming `field`, unless `rows` split evenly over the mesh's batch axes
   (data x fsdp x expert) and over the processes."""
-  shards = int(np.prod([mesh.shape[axis] for axis in BATCH_AXES]))
+  shards = batch_shards(mesh)
   for divisor, what in ((shards, "batch shards of the mesh (data x fsdp x expert)"),
                         (jax.process_count(), "processes")):
     if rows % divisor:

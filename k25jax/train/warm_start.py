@@ -29,7 +29,7 @@ def train(section: ml_collections.ConfigDict, model, tokens: np.ndarray, weights
   if section.batch > n_rows:
     raise ValueError(f"warm_start.batch={section.batch} exceeds the {n_rows} packed rows of {len(tokens)} "
                      "demonstrations")
-  to_device = lambda rows: sharding.global_batch(rows, sharding.batch_sharding(mesh))
+  to_device = lambda rows: sharding.from_host(rows, sharding.batch_sharding(mesh))   # every process draws all rows
   rows_at = lambda step: packing.draw_rows(packing.step_rng(section.seed, step), n_rows, section.batch)
   batch_at = lambda step: to_device({name: v[rows_at(step)] for name, v in packed.items()})
   tx = optimizer.make_optimizer(section.optimizer, section.steps)
