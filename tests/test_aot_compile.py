@@ -1,4 +1,4 @@
-"""The pretrain, midtrain and RL steps and the sampler's decode step compile for a TPU slice on this CPU
+"""The pretrain (text and joint), midtrain and RL steps and the sampler's decode step compile for a TPU slice on this CPU
 (experiments/aot_compile.py, aot_decode.py); needs libtpu."""
 import importlib.util
 import math
@@ -73,8 +73,16 @@ def test_midtrain_step_compiles_with_the_flash_kernel_on_rows_split_along_sequen
   row = _tiny_compile(monkeypatch, "midtrain.py", "tiny", overrides, lambda aot, config, devices:
                       aot.aot_compile.compile_step(config, devices, {"expert": 2, "sequence": 2}, "full", LOW_EFFORT))
   assert row["fits"] and row["model"]["rope_scaling"]["factor"] == 4.0
-  assert row["pallas_calls"] >= 3                          # the kernel's forward, dK/dV and dQ passes
+  assert row["pallas_calls"] >= 3          # Mosaic calls: ragged_dot's (from a CPU host the attention kernel is interpreted)
   assert row["collectives"]["all-to-all"] > 0 and row["collectives"]["ragged-all-to-all"] >= 4
+
+
+def test_joint_step_compiles_with_media_sharded_over_the_data_shards(monkeypatch):
+  """The tiny K2.5 joint step with 4 media shards, one a chip: nothing is gathered over
+  `data` (each chip encodes its own pixels); the gradients are all-reduced."""
+  row = _tiny_compile(monkeypatch, "pretrain.py", "joint", ["data.shard_media=True"], lambda aot, config, devices:
+                      aot.aot_compile.compile_step(config, devices, {"data": 4}, "none", LOW_EFFORT))
+  assert row["fits"] and row["collectives"]["all-gather"] == 0 and row["collectives"]["all-reduce"] > 0
 
 
 def test_rl_update_step_compiles_for_the_driver(monkeypatch):

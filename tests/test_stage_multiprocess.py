@@ -46,6 +46,7 @@ def stage_config(stage: str, init: str = ""):
   else:
     config = load_config("configs/vit.py")
     config.data.update(tasks=("caption", "count"), max_patches=256)
+    config.vit.projector_only_from = 1            # phase 2 (the projector alone) at the second step
   config.model = common.k25_model_section("tiny", **MICRO_TEXT)
   config.mesh.update(data=2, fsdp=2)
   config.optimizer.update(warmup_steps=1, decay_steps=1)
