@@ -1,6 +1,6 @@
 """Stages on two processes (jax.distributed over localhost, gloo CPU collectives, 2 devices
 each) train exactly as on one process with 4 devices: joint pre-training with its media
-sharded with the rows, the ViT stage with its media replicated, and RL with Toggle (the
+sharded with the rows, and RL with Toggle (the
 sampler's rollouts and budgets, the policy updates and the evaluation, from one warm start
 trained here: after hundreds of steps two runs of it differ by float noise, and sampling at
 T = 1 turns that into different tokens).
@@ -23,7 +23,7 @@ STEPS = 2
 
 
 def stage_config(stage: str, init: str = ""):
-  """Micro configs of the joint (media in 4 shards, one per data shard), ViT and RL stages;
+  """Micro configs of the joint (media in 4 shards, one per data shard) and RL stages;
   `init`: the RL run's init.checkpoint."""
   from config_files import load_config
   from configs import common
@@ -39,14 +39,9 @@ def stage_config(stage: str, init: str = ""):
     config.mesh.update(data=2, fsdp=2)
     config.train.update(steps=STEPS, log_every=1, eval_every=STEPS, checkpoint_every=STEPS)
     return config
-  if stage == "joint":
-    config = load_config("configs/pretrain.py", "joint")
-    config.data.update(shard_media=True, max_patches=512, vision_ratio=0.3, vision_eval_batches=1,
-                       vision_tasks=("count", "motion"))
-  else:
-    config = load_config("configs/vit.py")
-    config.data.update(tasks=("caption", "count"), max_patches=256)
-    config.vit.projector_only_from = 1            # phase 2 (the projector alone) at the second step
+  config = load_config("configs/pretrain.py", "joint")
+  config.data.update(shard_media=True, max_patches=512, vision_ratio=0.3, vision_eval_batches=1,
+                     vision_tasks=("count", "motion"))
   config.model = common.k25_model_section("tiny", **MICRO_TEXT)
   config.mesh.update(data=2, fsdp=2)
   config.optimizer.update(warmup_steps=1, decay_steps=1)
@@ -57,8 +52,8 @@ def stage_config(stage: str, init: str = ""):
 
 def run_stage(stage: str, workdir: str, init: str) -> dict[str, np.ndarray]:
   """Every logged train and eval metric of the stage's run, by split and name."""
-  from k25jax.stages import pretrain, rl, vit
-  _, history = {"joint": pretrain, "vit": vit, "rl": rl}[stage].run(stage_config(stage, init), workdir)
+  from k25jax.stages import pretrain, rl
+  _, history = {"joint": pretrain, "rl": rl}[stage].run(stage_config(stage, init), workdir)
   out = {}
   for record in history:
     for name, value in record.items():
@@ -74,7 +69,7 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["joint", "vit", "rl"])
+@pytest.mark.parametrize("stage", ["joint", "rl"])
 def test_two_processes_match_one(tmp_path, stage):
   init = "-"
   if stage == "rl":
