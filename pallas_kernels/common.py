@@ -9,7 +9,10 @@ A kernel here is lowered one of three ways, named by `target(interpret)`:
 * ``"interpret"``  the Pallas HLO interpreter, on any backend (CPU in the tests). It runs
                    the TPU formulation unless a kernel is asked for its GPU one.
 
-`interpret=None` means: compile on TPU/GPU, interpret elsewhere.
+`interpret=None` means: compile on TPU/GPU, interpret elsewhere. "The backend" is the
+platform of the devices the program is traced for: the current mesh's (`jax.set_mesh`, so
+a CPU host compiling ahead of time for a TPU mesh gets Mosaic kernels), else the default
+backend's.
 """
 from __future__ import annotations
 
@@ -21,9 +24,17 @@ from jax.experimental.pallas import triton as pltriton
 COMPILED = ("tpu", "gpu")
 
 
+def platform() -> str:
+  """The platform of the current mesh's devices ("tpu", "gpu", "cpu"), else the default backend."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty and mesh.abstract_device is not None:
+    return "gpu" if mesh.abstract_device.platform in ("cuda", "rocm") else mesh.abstract_device.platform
+  return jax.default_backend()
+
+
 def target(interpret: bool | None = None) -> str:
-  """"tpu" | "gpu" | "interpret" for the default backend."""
-  backend = jax.default_backend()
+  """"tpu" | "gpu" | "interpret" for `platform()`."""
+  backend = platform()
   if interpret or (interpret is None and backend not in COMPILED):
     return "interpret"
   if backend not in COMPILED:

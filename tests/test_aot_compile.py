@@ -73,16 +73,20 @@ def test_midtrain_step_compiles_with_the_flash_kernel_on_rows_split_along_sequen
   row = _tiny_compile(monkeypatch, "midtrain.py", "tiny", overrides, lambda aot, config, devices:
                       aot.aot_compile.compile_step(config, devices, {"expert": 2, "sequence": 2}, "full", LOW_EFFORT))
   assert row["fits"] and row["model"]["rope_scaling"]["factor"] == 4.0
-  assert row["pallas_calls"] >= 3          # Mosaic calls: ragged_dot's (from a CPU host the attention kernel is interpreted)
+  assert row["pallas_calls"] >= 3          # Mosaic calls: ragged_dot's and the flash kernel's (the mesh is a TPU's)
   assert row["collectives"]["all-to-all"] > 0 and row["collectives"]["ragged-all-to-all"] >= 4
 
 
 def test_joint_step_compiles_with_media_sharded_over_the_data_shards(monkeypatch):
-  """The tiny K2.5 joint step with 4 media shards, one a chip: nothing is gathered over
-  `data` (each chip encodes its own pixels); the gradients are all-reduced."""
-  row = _tiny_compile(monkeypatch, "pretrain.py", "joint", ["data.shard_media=True"], lambda aot, config, devices:
+  """The tiny K2.5 joint step with 4 media shards, one a chip, and the vision flash kernel:
+  nothing is gathered over `data` (each chip encodes its own pixels); the gradients are
+  all-reduced; the kernel compiles with Mosaic (the mesh is a TPU's, the host a CPU), its
+  forward and two backward passes in each of the tower's 2 blocks."""
+  overrides = ["data.shard_media=True", "model.vision.attention_impl=pallas"]
+  row = _tiny_compile(monkeypatch, "pretrain.py", "joint", overrides, lambda aot, config, devices:
                       aot.aot_compile.compile_step(config, devices, {"data": 4}, "none", LOW_EFFORT))
   assert row["fits"] and row["collectives"]["all-gather"] == 0 and row["collectives"]["all-reduce"] > 0
+  assert row["pallas_calls"] == 6
 
 
 def test_rl_update_step_compiles_for_the_driver(monkeypatch):

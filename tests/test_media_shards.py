@@ -79,9 +79,11 @@ def test_device_features_per_shard_hold_their_rows_media():
 
 
 def step_on(batch, mesh_sizes, devices):
-  """One AdamW train step on `batch`: (metrics, new params), and the compiled HLO."""
+  """One SGD train step on `batch`: (metrics, new params), and the compiled HLO. (SGD, so the new
+  params compare the gradients themselves: Adam's first step, lr·g/(|g|+eps), turns a gradient
+  near eps into a difference of lr whatever the order of its sums.)"""
   model = k25.K25(CFG)
-  tx = optax.adamw(1e-3)
+  tx = optax.sgd(1.0, momentum=0.9)   # a state to shard; the first step is still -g
   mesh = sharding.make_mesh(mesh_sizes, devices=devices)
   with jax.set_mesh(mesh):
     state = trainer_lib.new_state(model, tx, mesh, seed=0)

@@ -1,13 +1,16 @@
-"""The Pallas MLA flash kernel under a mesh (k25jax.model.sequence_parallel): rows split along `sequence`."""
+"""The Pallas flash kernels under a mesh (k25jax.model.sequence_parallel): decoder rows split along `sequence`,
+the vision tower's packed sequence per data shard."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax.sharding import PartitionSpec as P
+
 from k25jax.model import sequence_parallel
 from k25jax.train import sharding
-from pallas_kernels import mla_attention
+from pallas_kernels import mla_attention, vision_attention
 
 ACTIVATION = ("activation_batch", "activation_length", "activation_heads", None)
 
@@ -55,3 +58,48 @@ def test_heads_that_do_not_divide_over_sequence_and_tensor_are_refused():
     with pytest.raises(ValueError, match="3 heads do not divide"):
       jax.eval_shape(lambda *a: sequence_parallel.head_split_attention(mla_attention.flash_attention, *a),
                      q, k, v, 0.3, segments)
+
+
+def _vision_inputs(shards=2, patches=48, heads=4):
+  rng = np.random.default_rng(1)
+  q, k, v = (jnp.asarray(rng.normal(size=(shards, patches, heads, 8)), jnp.float32) for _ in range(3))
+  segments = np.zeros((shards, patches), np.int32)     # shard 0: two items and padding; shard 1: one item
+  segments[0, :20], segments[0, 20:40], segments[1] = 1, 2, 1
+  return q, k, v, jnp.asarray(segments)
+
+
+def test_vision_kernel_per_data_shard_equals_the_reference_and_gathers_nothing():
+  """Media in 2 shards on data 2 × sequence 2 × tensor 2: the vmap over shards splits over the batch axes,
+  each device runs the kernel on its shard's whole sequence of 2 of the 4 heads; values and
+  gradients equal the XLA reference, and no device gathers another shard's q, k or v."""
+  q, k, v, segments = _vision_inputs()
+  kernel = lambda *a: vision_attention.flash_attention(*a, block_q=16, block_k=16)
+
+  def loss(attention, spmd):
+    def total(q, k, v, segments):
+      out = jax.vmap(attention, spmd_axis_name=spmd)(q, k, v, segments)
+      return jnp.sum(jnp.sin(out))
+    return total
+
+  grad = lambda f: jax.value_and_grad(f, argnums=(0, 1, 2))
+  mesh = sharding.make_mesh(dict(data=2, sequence=2, tensor=2))
+  args = jax.device_put((q, k, v, segments), jax.sharding.NamedSharding(mesh, P("data")))
+  with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.RULES):
+    spmd = sequence_parallel.shard_axes(2)
+    assert spmd == ("data",) and sequence_parallel.shard_axes(3) is None
+    step = jax.jit(grad(loss(lambda *a: sequence_parallel.vision_head_split_attention(kernel, *a), spmd)))
+    value, grads = step(*args)
+    hlo = step.lower(*args).compile().as_text()
+  ref_value, ref_grads = grad(loss(vision_attention.reference, None))(q, k, v, segments)
+  np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+  for g, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+  assert "f32[2,48,4,8]" not in hlo and "all-gather" not in hlo
+
+
+def test_vision_heads_that_do_not_divide_over_tensor_are_refused():
+  q, k, v, segments = _vision_inputs(heads=3)
+  with jax.set_mesh(sharding.make_mesh(dict(data=4, tensor=2))), nn.logical_axis_rules(sharding.RULES):
+    with pytest.raises(ValueError, match="vision attention: 3 heads do not divide"):
+      jax.eval_shape(lambda *a: sequence_parallel.vision_head_split_attention(vision_attention.flash_attention, *a),
+                     q[0], k[0], v[0], segments[0])

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k25jax.model import media, vision
+from k25jax.model import media, sequence_parallel, vision
 from k25jax.model.config import K25Config
 from k25jax.model.transformer import Transformer
 
@@ -64,10 +64,12 @@ class K25(nn.Module):
 
   def encode_media(self, pixel_values: jax.Array, grid_thw) -> jax.Array:
     """Projector outputs [M, text hidden], the rows that replace the placeholders in order;
-    [D, M, text hidden] for media in D shards (pixel_values [D, N, 3, p, p])."""
+    [D, M, text hidden] for media in D shards (pixel_values [D, N, 3, p, p]), each shard encoded
+    by the devices of its data shard (the vmap's axis split over the batch mesh axes)."""
     if pixel_values.ndim == 5:
       per_shard = nn.vmap(lambda module, pixels, layout: module.encode_media(pixels, layout),
-                          variable_axes={"params": None}, split_rngs={"params": False})
+                          variable_axes={"params": None}, split_rngs={"params": False},
+                          spmd_axis_name=sequence_parallel.shard_axes(pixel_values.shape[0]))
       return per_shard(self, pixel_values, grid_thw)
     return self.mm_projector(self.vision_tower(pixel_values, grid_thw))
 

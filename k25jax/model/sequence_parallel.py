@@ -1,7 +1,7 @@
-"""The Pallas flash attention under a mesh: heads ↔ sequence by all-to-all (Ulysses).
+"""The Pallas flash attentions under a mesh: each device on whole rows of its own heads.
 
-A Pallas kernel is one custom call that XLA's partitioner cannot split, so under a mesh it
-runs inside `jax.shard_map`, each device on whole rows of its own heads. The decoder's
+A Pallas kernel is one custom call that XLA's partitioner cannot split (Mosaic refuses to be
+partitioned automatically), so under a mesh it runs inside `jax.shard_map`. The decoder's
 q, k, v [b, s, h, d] are laid out by the logical-axis rules: b over the batch axes, s over
 `sequence` (activation_length), h over `tensor` (activation_heads). With S, T the sizes of
 those two axes:
@@ -15,6 +15,12 @@ so the causal mask and the segments need no offsets: every device sees whole row
 all-to-alls move each of q, k, v and o once (a device sends and receives its own share), and
 the kernel holds a few K/V tiles whatever the length (`pallas_kernels.flash_attention`).
 Heads must divide over S·T. Without a mesh of more than one device the kernel runs as it is.
+
+The vision tower's packed sequence q, k, v [N, h, d] (`vision_head_split_attention`) is
+already whole on every device that holds it: the heads split over `tensor` and nothing
+moves. With media in D shards the tower runs under `nn.vmap(spmd_axis_name=batch axes)`
+(`k25jax.model.k25`), and the shard_map's batching rule splits the shard axis over the batch
+axes, so each data shard runs the kernel on its own media.
 (`check_vma=False`: a pallas_call's outputs carry no record of the axes they vary over.)
 """
 from __future__ import annotations
@@ -32,6 +38,17 @@ def _mesh_axes(logical: str, mesh) -> tuple[str, ...]:
   return tuple(a for a in axes if mesh.shape[a] > 1)
 
 
+def _heads_axes(logical: tuple[str, ...], heads: int, mesh, what: str) -> tuple[str, ...]:
+  """The mesh axes the heads split over (those of `logical`), checked to divide `heads`."""
+  axes = sum((_mesh_axes(name, mesh) for name in logical), ())
+  split = 1
+  for axis in axes:
+    split *= mesh.shape[axis]
+  if heads % split:
+    raise ValueError(f"{what}: {heads} heads do not divide over the mesh axes {axes} ({split} devices)")
+  return axes
+
+
 def head_split_attention(attention, q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
                          segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """`attention(q, k, v, scale, segment_ids) -> (out, max_logits [h])` per device, rows whole and
@@ -41,13 +58,8 @@ def head_split_attention(attention, q: jax.Array, k: jax.Array, v: jax.Array, sc
   if mesh.empty or mesh.size == 1:
     return attention(q, k, v, scale, segment_ids)
   batch = _mesh_axes("activation_batch", mesh)
-  heads = _mesh_axes("activation_length", mesh) + _mesh_axes("activation_heads", mesh)
-  split = 1
-  for axis in heads:
-    split *= mesh.shape[axis]
-  if q.shape[2] % split:
-    raise ValueError(f"sequence-parallel attention: {q.shape[2]} heads do not divide over the mesh axes "
-                     f"{heads} ({split} devices)")
+  heads = _heads_axes(("activation_length", "activation_heads"), q.shape[2], mesh,
+                      "sequence-parallel attention")
   seg = jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids
   rows = P(batch or None, None, heads or None, None)
 
@@ -57,3 +69,31 @@ def head_split_attention(attention, q: jax.Array, k: jax.Array, v: jax.Array, sc
 
   return jax.shard_map(local, in_specs=(rows, rows, rows, P(batch or None, None)),
                        out_specs=(rows, P(heads or None)), check_vma=False)(q, k, v, seg)
+
+
+def vision_head_split_attention(attention, q: jax.Array, k: jax.Array, v: jax.Array,
+                                segment_ids: jax.Array) -> jax.Array:
+  """`attention(q, k, v, segment_ids) -> out` per device on the whole packed sequence of its own
+  heads (module docstring): q, k, v [N, h, d] split P(None, tensor), segment_ids [N]. Returns
+  out [N, h, d_v]."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return attention(q, k, v, segment_ids)
+  heads = _heads_axes(("activation_heads",), q.shape[1], mesh, "vision attention")
+  patches = P(None, heads or None, None)
+  return jax.shard_map(attention, in_specs=(patches, patches, patches, P(None)), out_specs=patches,
+                       check_vma=False)(q, k, v, segment_ids)
+
+
+def shard_axes(shards: int) -> tuple[str, ...] | None:
+  """The mesh axes (of more than one device) of `activation_batch` that a vmap over `shards` data
+  shards splits its axis over, as its `spmd_axis_name`; None without a mesh, or when they do
+  not divide `shards`."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return None
+  axes = _mesh_axes("activation_batch", mesh)
+  size = 1
+  for axis in axes:
+    size *= mesh.shape[axis]
+  return axes if axes and shards % size == 0 else None

@@ -23,7 +23,9 @@ media fit the budget. Training should bucket media sizes one of these two ways.
 
 The attention runs as `k25jax.ops.attention.block_diagonal_attention` (XLA, the [heads, N, N]
 logits materialised) or `pallas_kernels.vision_attention` (flash, segment-aware: what a
-16K-patch image needs), chosen by `VisionConfig.attention_impl`.
+16K-patch image needs), chosen by `VisionConfig.attention_impl`; under a mesh the kernel runs
+in a shard_map, each device on the whole sequence of its own heads
+(`k25jax.model.sequence_parallel.vision_head_split_attention`).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k25jax.model import rope
+from k25jax.model import rope, sequence_parallel
 from k25jax.model.attention import attention_impl
 from k25jax.model.config import VisionConfig
 from k25jax.model.layers import Linear, dtype_of
@@ -274,7 +276,8 @@ class VisionBlock(nn.Module):
     k = rope.rotate_adjacent_pairs(qkv[:, 1], angles)
     if attention_impl(cfg) == "pallas":
       from pallas_kernels import vision_attention  # loaded only when chosen
-      attn = vision_attention.flash_attention(q, k, qkv[:, 2], segment_ids)
+      attn = sequence_parallel.vision_head_split_attention(vision_attention.flash_attention, q, k, qkv[:, 2],
+                                                           segment_ids)
     else:
       attn = block_diagonal_attention(q, k, qkv[:, 2], segment_ids)
     x = x + Linear((heads, head_dim), d, ("vit_heads", "vit_head_dim", "vit_embed"), name="wo", **kw)(attn)
