@@ -25,6 +25,8 @@ axes, so each data shard runs the kernel on its own media.
 """
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -38,12 +40,15 @@ def _mesh_axes(logical: str, mesh) -> tuple[str, ...]:
   return tuple(a for a in axes if mesh.shape[a] > 1)
 
 
+def _devices(axes: tuple[str, ...], mesh) -> int:
+  """The devices along `axes`: the product of their sizes."""
+  return math.prod(mesh.shape[a] for a in axes)
+
+
 def _heads_axes(logical: tuple[str, ...], heads: int, mesh, what: str) -> tuple[str, ...]:
   """The mesh axes the heads split over (those of `logical`), checked to divide `heads`."""
   axes = sum((_mesh_axes(name, mesh) for name in logical), ())
-  split = 1
-  for axis in axes:
-    split *= mesh.shape[axis]
+  split = _devices(axes, mesh)
   if heads % split:
     raise ValueError(f"{what}: {heads} heads do not divide over the mesh axes {axes} ({split} devices)")
   return axes
@@ -93,7 +98,4 @@ def shard_axes(shards: int) -> tuple[str, ...] | None:
   if mesh.empty:
     return None
   axes = _mesh_axes("activation_batch", mesh)
-  size = 1
-  for axis in axes:
-    size *= mesh.shape[axis]
-  return axes if axes and shards % size == 0 else None
+  return axes if axes and shards % _devices(axes, mesh) == 0 else None
