@@ -1,9 +1,11 @@
 """Stages on two processes (jax.distributed over localhost, gloo CPU collectives, 2 devices
 each) train exactly as on one process with 4 devices: joint pre-training with its media
-sharded with the rows, and RL with Toggle (the
-sampler's rollouts and budgets, the policy updates and the evaluation, from one warm start
-trained here: after hundreds of steps two runs of it differ by float noise, and sampling at
-T = 1 turns that into different tokens).
+sharded with the rows; RL with Toggle (the sampler's rollouts and budgets, the policy
+updates and the evaluation, from one warm start trained here: after hundreds of steps two
+runs of it differ by float noise, and sampling at T = 1 turns that into different tokens);
+zero-vision SFT with visual examples (the image batches, then tool rollouts with and
+without the image); and vision RL from an SFT start trained here (image prompts encoded on
+the mesh, the K2.5 loss with the images).
 
 Run as a script, this file is one worker: `single` (one process, 4 devices) or process 0/1.
 """
@@ -39,6 +41,30 @@ def stage_config(stage: str, init: str = ""):
     config.mesh.update(data=2, fsdp=2)
     config.train.update(steps=STEPS, log_every=1, eval_every=STEPS, checkpoint_every=STEPS)
     return config
+  if stage == "sft":         # zero-vision trajectories + visual examples; eval with and without the image
+    config = load_config("configs/sft.py", "tiny,visual")
+    config.model.text.update(MICRO_TEXT, max_position_embeddings=384)
+    config.model.vision.num_hidden_layers = 1
+    config.data.update(trajectories=16, visual_examples=16)
+    config.train.update(steps=STEPS, batch=4, visual_batch=4, log_every=1, checkpoint_every=STEPS)
+    config.optimizer.update(warmup_steps=1, decay_steps=1)
+    config.sandbox.sessions = 4
+    config.eval.update(tasks=4, max_turns=2, max_context=320, turn_tokens=8, settings="text_tool,image_tool")
+    config.mesh.update(data=2, fsdp=2)
+    return config
+  if stage == "rl_vision":   # image prompts, tool rollouts, the K2.5 loss with the images
+    config = load_config("configs/rl.py", "vision")
+    config.model.text.update(MICRO_TEXT, max_position_embeddings=256)
+    config.model.vision.num_hidden_layers = 1
+    config.init.checkpoint = init
+    config.task.update(train_prompts=8, eval_prompts=4, kinds="count")
+    config.rl.update(prompts_per_iteration=2, num_generations=4, minibatches=1, max_turns=2, max_context=192,
+                     turn_tokens=8, eval_samples=1)
+    config.train.update(steps=STEPS, eval_every=STEPS, log_every=1, checkpoint_every=STEPS)
+    config.optimizer.update(warmup_steps=1)
+    config.sandbox.sessions = 8
+    config.mesh.update(data=2, fsdp=2)
+    return config
   config = load_config("configs/pretrain.py", "joint")
   config.data.update(shard_media=True, max_patches=512, vision_ratio=0.3, vision_eval_batches=1,
                      vision_tasks=("count", "motion"))
@@ -52,14 +78,29 @@ def stage_config(stage: str, init: str = ""):
 
 def run_stage(stage: str, workdir: str, init: str) -> dict[str, np.ndarray]:
   """Every logged train and eval metric of the stage's run, by split and name."""
-  from k25jax.stages import pretrain, rl
-  _, history = {"joint": pretrain, "rl": rl}[stage].run(stage_config(stage, init), workdir)
+  from k25jax.stages import pretrain, rl, rl_vision, sft
+  stages = {"joint": pretrain, "rl": rl, "sft": sft, "rl_vision": rl_vision}
+  _, history = stages[stage].run(stage_config(stage, init), workdir)
   out = {}
   for record in history:
     for name, value in record.items():
       if isinstance(value, (int, float)) and not re.search(r"step$|seconds|_s$|per_s", name):
         out.setdefault(f"{record['split']}/{name}", []).append(float(value))
   return {name: np.asarray(values) for name, values in out.items()}
+
+
+def sft_start(workdir: str) -> str:
+  """A K2.5 start for the rl_vision runs: the micro SFT model after 40 steps of direct
+  answers to counting questions (greedy accuracy ~0.4, so groups get different rewards)."""
+  from k25jax.stages import sft
+  config = stage_config("sft")
+  config.mesh.update(data=-1, fsdp=1)
+  config.data.update(trajectories=32, visual_examples=256, kinds="count")
+  config.train.update(steps=40, batch=8, visual_batch=8, log_every=40, checkpoint_every=40)
+  config.optimizer.update(lr=3e-3, warmup_steps=5, decay_steps=20)
+  config.eval.update(tasks=4, max_turns=1, settings="image_no_tool")
+  sft.run(config, workdir)
+  return workdir
 
 
 def free_port() -> int:
@@ -69,7 +110,7 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["joint", "rl"])
+@pytest.mark.parametrize("stage", ["joint", "rl", "sft", "rl_vision"])
 def test_two_processes_match_one(tmp_path, stage):
   init = "-"
   if stage == "rl":
@@ -77,6 +118,8 @@ def test_two_processes_match_one(tmp_path, stage):
     config = stage_config("rl")
     config.mesh.update(data=-1, fsdp=1)
     init = rl.shared_warm_start(config, str(tmp_path / "warm_start"))
+  if stage == "rl_vision":
+    init = sft_start(str(tmp_path / "sft"))
   port = free_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
@@ -90,12 +133,14 @@ def test_two_processes_match_one(tmp_path, stage):
     assert w.returncode == 0, out[-3000:]
   single = dict(np.load(tmp_path / "single.npz"))
   assert len(single["train/loss"]) == STEPS
-  if stage == "rl":      # groups with different rewards: a policy gradient to agree on
+  if stage in ("rl", "rl_vision"):      # groups with different rewards: a policy gradient to agree on
     assert 0 < single["train/reward"].min() and single["train/reward"].max() < 1 and single["train/grad_norm"].min() > 1e-2
   else:
     assert single["train/grad_norm"].min() > 0 and single["train/skipped_steps"].max() == 0
   if stage == "joint":
     assert single["train/answer_count"].min() > 0 and "eval/vision_loss" in single
+  if stage == "sft":     # the held-out rollouts ran with the images encoded on the mesh
+    assert "eval/image_tool/accuracy" in single and single["eval/image_tool/generated_tokens"].min() > 0
   for who in ("0", "1"):
     got = dict(np.load(tmp_path / f"{who}.npz"))
     assert sorted(got) == sorted(single)

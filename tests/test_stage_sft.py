@@ -1,4 +1,5 @@
 """The SFT stage: visual batches line up with their images; a short run trains, evaluates and resumes."""
+import json
 import os
 
 import numpy as np
@@ -47,9 +48,13 @@ def test_visual_rows_carry_their_images_in_placeholder_order():
 
 def test_short_run_trains_evaluates_and_resumes(tmp_path):
   config = _small(load_config("configs/sft.py"))
-  state, results = sft.run(config, str(tmp_path))
-  assert set(results) == {"text_tool"}
-  assert all(0.0 <= r["accuracy"] <= 1.0 and r["turns_per_episode"] >= 1 for r in results.values())
+  state, history = sft.run(config, str(tmp_path))
+  assert [h["step"] for h in history if h["split"] == "train"] == [1, 4, 8, 12]
+  evals = [h for h in history if h["split"].startswith("eval/")]
+  assert [h["split"] for h in evals] == ["eval/text_tool"]
+  assert all(0.0 <= r["accuracy"] <= 1.0 and r["turns_per_episode"] >= 1 for r in evals)
+  with open(tmp_path / "sft_eval.json") as f:
+    assert json.load(f) == {"text_tool": {k: v for k, v in evals[0].items() if k not in ("split", "step")}}
   data_files = [f for f in os.listdir(tmp_path) if f.startswith("sft_data_")]
   assert len(data_files) == 1 and os.path.exists(tmp_path / "sft_eval.json")
   stamp = os.path.getmtime(tmp_path / data_files[0])
@@ -78,6 +83,8 @@ def test_run_with_arithmetic_evaluates_held_out_sums(tmp_path):
   config.data.arithmetic_examples = 32
   config.train.update(steps=2, checkpoint_every=2)
   config.optimizer.update(warmup_steps=1, decay_steps=1)
-  _, results = sft.run(config, str(tmp_path))
+  sft.run(config, str(tmp_path))
+  with open(tmp_path / "sft_eval.json") as f:
+    results = json.load(f)
   assert set(results) == {"text_tool", "arithmetic"}
   assert 0.0 <= results["arithmetic"]["accuracy"] <= 1.0 and "addition/accuracy" in results["arithmetic"]

@@ -100,6 +100,19 @@ def test_restore_params_checks_the_digests_too(tmp_path):
     checkpoint.restore_params(str(tmp_path), _target().params)
 
 
+def test_a_write_that_fails_midway_leaves_the_previous_file_whole(tmp_path):
+  path = str(tmp_path / "toggle_budgets.npy")
+  checkpoint.write_atomically(path, lambda f: np.save(f, np.arange(3.0)))
+
+  def crash(f):
+    f.write(b"\x93NUMPY half a header")
+    raise OSError("disk full")
+  with pytest.raises(OSError, match="disk full"):
+    checkpoint.write_atomically(path, crash)
+  np.testing.assert_array_equal(np.load(path), np.arange(3.0))
+  assert os.listdir(tmp_path) == ["toggle_budgets.npy"]
+
+
 def test_an_update_that_makes_the_state_non_finite_is_skipped():
   """Loss and gradients are finite, but lr = 1e39 (inf in float32) makes the new params inf."""
   from k25jax.model import transformer

@@ -25,7 +25,6 @@ import functools
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from k25jax.agents import sandbox
@@ -238,7 +237,10 @@ def vision_decoder(cfg: K25Config, params, sampling: sampler.SamplingConfig,
       mask = media_lib.placeholder_mask(prompts, cfg.media_token_ids)
       media_lib.check_placeholders(mask, [m.num_tokens for m in items if m is not None])
       batch = media_batch(items, cfg, len(prompts), per_row)
-      return None if batch is None else (encode_media(params, *batch, cfg=cfg), jnp.asarray(mask))
+      if batch is None:
+        return None
+      pixel_values, layout = sampler.on_params_mesh(params, batch)
+      return encode_media(params, pixel_values, layout, cfg=cfg), mask
 
     rng[0], key = jax.random.split(rng[0])
     return decode.turns(decode.decode(cfg.text, params[k25.LANGUAGE_MODEL], contexts, key, sampling,

@@ -15,9 +15,9 @@ top-p truncation is a sampling device and is not renormalised into it), and
 log softmax(logits)[token] for greedy decoding (T = 0): the π_old of the RL loss.
 `banned_tokens` are removed from the distribution before sampling and scoring.
 
-Several processes (jax.distributed): every process calls `generate` with the same prompts
-and key; they enter as arrays replicated over the params' mesh, so the processes run ONE
-decode over all devices and each can read the whole result (`decode.decode`).
+Several processes (jax.distributed): every process calls `generate` with the same prompts,
+key and media mask; they enter as arrays replicated over the params' mesh, so the processes
+run ONE decode over all devices and each can read the whole result (`decode.decode`).
 """
 from __future__ import annotations
 
@@ -153,8 +153,10 @@ def generate(cfg: ModelConfig, params, prompts, prompt_lengths, rng: jax.Array,
   if lengths.min() < 1 or lengths.max() > prompts.shape[1]:
     raise ValueError(f"prompt_lengths must lie in [1, {prompts.shape[1]}], got {lengths.tolist()}")
   check_lengths(cfg, prompts.shape[1], sampling)
-  if jax.process_count() > 1:
-    prompts, prompt_lengths, rng = replicated_like(params, (prompts, prompt_lengths, rng))
+  prompts, prompt_lengths, rng = on_params_mesh(params, (prompts, prompt_lengths, rng))
+  if media is not None:
+    features, mask = media
+    media = features, on_params_mesh(params, np.asarray(mask))
   return _generate(params, prompts, prompt_lengths, rng, media, cfg=cfg, sampling=sampling)
 
 
@@ -162,3 +164,9 @@ def replicated_like(params, host_values):
   """`host_values` (the same on every process) replicated over the mesh of `params`."""
   mesh = jax.tree.leaves(params)[0].sharding.mesh
   return sharding.from_host(jax.tree.map(np.asarray, host_values), sharding.replicated(mesh))
+
+
+def on_params_mesh(params, host_values):
+  """`host_values` ready to enter a jit beside `params`: as they are in one process; with
+  several, replicated over the params' mesh (every process passes the same values)."""
+  return replicated_like(params, host_values) if jax.process_count() > 1 else host_values

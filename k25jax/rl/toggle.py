@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from k25jax import losses
+from k25jax.train import checkpoint
 
 BUDGETS_FILE = "toggle_budgets.npy"
 
@@ -35,7 +36,7 @@ def fixed_budgets(workdir: str, estimate: Callable[[], np.ndarray]) -> np.ndarra
     return np.load(path)
   out = estimate()
   if jax.process_index() == 0:
-    np.save(path, out)
+    checkpoint.write_atomically(path, lambda f: np.save(f, out))
   return out
 
 

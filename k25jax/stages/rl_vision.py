@@ -188,7 +188,6 @@ def check(config) -> None:
 
 def run(config: ml_collections.ConfigDict, workdir: str):
   """Vision RL from `init.checkpoint`; resumes from workdir/checkpoints. Returns (state, history)."""
-  multimodal.check_single_process(config.stage)
   check(config)
   tok = chat.ChatTokenizer()
   model = k25.K25(config_utils.k25_config_from(config.model, tok))

@@ -32,7 +32,7 @@ from k25jax.data import vision as vision_data
 from k25jax.model import k25
 from k25jax.model.config import K25Config
 from k25jax.rl import sampler, tasks as rl_tasks
-from k25jax.train import config_utils, multimodal, objective, optimizer, sharding, trainer as trainer_lib
+from k25jax.train import checkpoint, config_utils, multimodal, objective, optimizer, sharding, trainer as trainer_lib
 
 FEATURES = tuple(name for name, _ in packing.FEATURES)
 
@@ -54,7 +54,7 @@ def trajectories(config, tok: chat.ChatTokenizer, pool, workdir: str) -> dict[st
   data = zero_vision.dataset(d.trajectories, d.seed, pool, tok, image_size=d.image_size, kinds=kinds(config),
                              p_two_calls=d.p_two_calls, max_length=d.max_length)
   if jax.process_index() == 0:
-    np.savez(path, **data)
+    checkpoint.write_atomically(path, lambda f: np.savez(f, **data))
   return data
 
 
@@ -209,8 +209,9 @@ def check(config, model_cfg: K25Config, tok: chat.ChatTokenizer, mesh) -> None:
 
 
 def run(config: ml_collections.ConfigDict, workdir: str):
-  """Data, SFT (resumable), then held-out rollouts; writes workdir/sft_eval.json. Returns (state, results)."""
-  multimodal.check_single_process(config.stage)
+  """Data, SFT (resumable), then held-out rollouts; writes workdir/sft_eval.json (results by
+  setting). Returns (state, history): the logged train records, then one `eval/<setting>`
+  record a setting."""
   tok = chat.ChatTokenizer()
   model = k25.K25(config_utils.k25_config_from(config.model, tok))
   mesh = sharding.make_mesh(config.mesh.to_dict())
@@ -235,13 +236,14 @@ def run(config: ml_collections.ConfigDict, workdir: str):
                               qk_clip_tau=optimizer.qk_clip_tau(config.optimizer),
                               batch_specs=multimodal.batch_specs(visual is not None, FEATURES))
     rows = config.train.batch + (config.train.visual_batch if visual is not None else 0)
-    state, _ = trainer.fit(state, step, lambda n: multimodal.to_device(batches(n), mesh), config.train,
-                           tokens_per_step=rows * batches.width)
+    state, history = trainer.fit(state, step, lambda n: multimodal.to_device(batches(n), mesh), config.train,
+                                 tokens_per_step=rows * batches.width)
     results = evaluate(config, model.cfg, state.params, tok, pool, arithmetic)
     for name, r in results.items():
       trainer.writer.write(config.train.steps, r, f"eval/{name}")
+      history.append({"split": f"eval/{name}", "step": config.train.steps, **r})
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "sft_eval.json"), "w") as f:
       json.dump(results, f, indent=1)
   print_summary(results, config.eval.tasks)
-  return state, results
+  return state, history

@@ -21,6 +21,7 @@ import logging as pylogging
 import os
 import sys
 import tempfile
+from typing import BinaryIO, Callable
 
 import flax.linen as nn
 import grain
@@ -33,6 +34,19 @@ from jax.experimental import multihost_utils
 from k25jax.train import sharding
 
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
+
+
+def write_atomically(path: str, write: Callable[[BinaryIO], None]) -> None:
+  """`write(f)` into a temporary file beside `path`, then renamed onto it: a reader (a
+  resume after a crash, another process) finds the whole file or none."""
+  tmp = f"{path}.tmp{os.getpid()}"
+  try:
+    with open(tmp, "wb") as f:
+      write(f)
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
 
 
 class CorruptCheckpoint(Exception):

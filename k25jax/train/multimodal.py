@@ -37,12 +37,6 @@ TEXT_FEATURES = mixture.FEATURES
 MEDIA = ("pixel_values", "layout")
 
 
-def check_single_process(stage: str) -> None:
-  """The stages that build their media batches themselves (sft, rl_vision) run in one process."""
-  if jax.process_count() > 1:
-    raise NotImplementedError(f"the {stage} stage runs in one process; got {jax.process_count()} processes")
-
-
 def media_shards(config, mesh: jax.sharding.Mesh) -> int:
   """D: the data shards of `mesh` when `data.shard_media`, else 1 (media replicated)."""
   return sharding.batch_shards(mesh) if config.data.get("shard_media", False) else 1
