@@ -1,6 +1,6 @@
 """Stages on two processes (jax.distributed over localhost, gloo CPU collectives, 2 devices
-each) train exactly as on one process with 4 devices: joint pre-training with its media
-sharded with the rows; RL with Toggle (the sampler's rollouts and budgets, the policy
+each) train exactly as on one process with 4 devices: the ViT stage (both phases) and joint
+pre-training, with their media sharded with the rows; RL with Toggle (the sampler's rollouts and budgets, the policy
 updates and the evaluation, from one warm start trained here: after hundreds of steps two
 runs of it differ by float noise, and sampling at T = 1 turns that into different tokens);
 zero-vision SFT with visual examples (the image batches, then tool rollouts with and
@@ -65,6 +65,16 @@ def stage_config(stage: str, init: str = ""):
     config.sandbox.sessions = 8
     config.mesh.update(data=2, fsdp=2)
     return config
+  if stage == "vit":         # the tower and projector, then the projector alone (step 2), media in 4 shards
+    config = load_config("configs/vit.py")
+    config.model = common.k25_model_section("tiny", **MICRO_TEXT)
+    config.data.update(shard_media=True, max_patches=512, tasks=("count", "motion"))
+    config.vit.projector_only_from = 1
+    config.mesh.update(data=2, fsdp=2)
+    config.optimizer.update(warmup_steps=1, decay_steps=1)
+    config.train.update(steps=STEPS, batch=8, seq_len=96, log_every=1, eval_every=STEPS, eval_batches=1,
+                        checkpoint_every=STEPS, keep_checkpoints=1)
+    return config
   config = load_config("configs/pretrain.py", "joint")
   config.data.update(shard_media=True, max_patches=512, vision_ratio=0.3, vision_eval_batches=1,
                      vision_tasks=("count", "motion"))
@@ -78,8 +88,8 @@ def stage_config(stage: str, init: str = ""):
 
 def run_stage(stage: str, workdir: str, init: str) -> dict[str, np.ndarray]:
   """Every logged train and eval metric of the stage's run, by split and name."""
-  from k25jax.stages import pretrain, rl, rl_vision, sft
-  stages = {"joint": pretrain, "rl": rl, "sft": sft, "rl_vision": rl_vision}
+  from k25jax.stages import pretrain, rl, rl_vision, sft, vit
+  stages = {"joint": pretrain, "rl": rl, "sft": sft, "rl_vision": rl_vision, "vit": vit}
   _, history = stages[stage].run(stage_config(stage, init), workdir)
   out = {}
   for record in history:
@@ -110,7 +120,7 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["joint", "rl", "sft", "rl_vision"])
+@pytest.mark.parametrize("stage", ["joint", "vit", "rl", "sft", "rl_vision"])
 def test_two_processes_match_one(tmp_path, stage):
   init = "-"
   if stage == "rl":
@@ -137,8 +147,8 @@ def test_two_processes_match_one(tmp_path, stage):
     assert 0 < single["train/reward"].min() and single["train/reward"].max() < 1 and single["train/grad_norm"].min() > 1e-2
   else:
     assert single["train/grad_norm"].min() > 0 and single["train/skipped_steps"].max() == 0
-  if stage == "joint":
-    assert single["train/answer_count"].min() > 0 and "eval/vision_loss" in single
+  if stage in ("joint", "vit"):      # answers of images that the tower encoded in their shards
+    assert single["train/answer_count"].min() > 0 and ("eval/vision_loss" in single) == (stage == "joint")
   if stage == "sft":     # the held-out rollouts ran with the images encoded on the mesh
     assert "eval/image_tool/accuracy" in single and single["eval/image_tool/generated_tokens"].min() > 0
   for who in ("0", "1"):
