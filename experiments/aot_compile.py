@@ -55,6 +55,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
+import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -248,6 +249,17 @@ def analytic_flops(cfg: model_config.ModelConfig, batch: int, seq_len: int) -> f
   return 6.0 * active * batch * seq_len + attention
 
 
+def analytic_vision_flops(cfg, patches: int) -> float:
+  """The vision tower's and projector's matmuls over a step's patch budget N (padding included,
+  as compiled): 6 · (tower kernels · N + projector kernels · N / merge). The block-diagonal
+  attention's 12 · layers · width · Σ_items n² is left out: it depends on the items' sizes."""
+  params = nn.meta.unbox(k25.abstract_params(cfg))
+  kernels = lambda tree: sum(math.prod(x.shape) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+                             if getattr(path[-1], "key", None) == "kernel")
+  return 6.0 * (kernels(params["vision_tower"]) * patches
+                + kernels(params["mm_projector"]) * patches // cfg.vision.merge_size)
+
+
 def table(rows: list[dict]) -> str:
   gb = lambda b: f"{b / 1e9:7.1f}"
   lines = [f"{'mesh':28s} {'remat':13s} {'args GB':>8s} {'temp GB':>8s} {'total GB':>9s} {'HBM GB':>7s} "
@@ -315,6 +327,11 @@ def main():
   result = {"config": args.config, "stage": config.stage, "topology": args.topology, "chips": len(devices),
             "device_kind": devices[0].device_kind, "overrides": args.set, "global_batch": rows,
             "seq_len": width, "analytic_flops_per_step": flops, "layouts": results, "jax": jax.__version__}
+  if "media" in program:
+    vision_flops = analytic_vision_flops(program["model"].cfg, program["media"])
+    print(f"the vision tower and projector over {program['media']:,} patches: {vision_flops:.3e} flops a step "
+          f"({vision_flops / flops:.1%} of the decoder's; attention left out)")
+    result["analytic_vision_flops_per_step"] = vision_flops
   finish(result, [mesh_name(r["mesh"]) for r in results if "error" in r or r["fits"] is False], args.out,
          default_out(config))
 

@@ -149,6 +149,20 @@ def test_without_mesh_flags_the_script_compiles_the_configs_own_layout(monkeypat
   assert aot_compile.requested_layouts(["fsdp=8,expert=64"], config) == [{"fsdp": 8, "expert": 64}]
 
 
+def test_vision_flops_count_the_tower_per_patch_and_the_projector_per_merged_token(monkeypatch):
+  """The tiny K2.5 (2 blocks of width 64, MLP 128, 4 heads of 16; 14x14 patches; a 2x2 merge
+  into a 256-wide projector) over 256 patches, counted by hand."""
+  monkeypatch.syspath_prepend(os.path.join(ROOT, "experiments"))
+  import aot_compile
+  from k25jax.data import tokenizer
+  config = config_utils.load_config_file(os.path.join(ROOT, "configs", "pretrain.py"), "joint")
+  cfg = config_utils.k25_config_from(config.model, tokenizer.load("bytes", "", media=True))
+  block = 64 * 128 + 128 * 64 + 4 * 16 * 64 + 64 * 3 * 4 * 16
+  tower = 2 * block + 3 * 14 * 14 * 64
+  projector = 2 * 256 * 256
+  assert aot_compile.analytic_vision_flops(cfg, 256) == 6 * (tower * 256 + projector * 64)
+
+
 def test_a_layout_that_fails_exits_non_zero_and_writes_nothing():
   committed = os.path.join(ROOT, "experiments", "results", "aot_compile.json")
   before = open(committed).read()
