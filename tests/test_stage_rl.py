@@ -52,6 +52,39 @@ def test_training_path_recomputes_the_samplers_logprobs():
   np.testing.assert_allclose(np.asarray(logp) * batch["mask"], batch["old_logp"], atol=2e-5)
 
 
+@pytest.mark.parametrize("optimizer_name", ["muonclip", "adamw"])
+def test_a_minibatch_without_advantages_leaves_the_state_alone(optimizer_name):
+  """Every group's rewards equal: the gradient is float noise (π = π_old), which Muon would
+  orthogonalise into a full step, so the update is gated off; one non-zero advantage moves θ."""
+  from k25jax.rl import driver
+  config = load_config("configs/rl.py")
+  config.optimizer.name = optimizer_name
+  config.rl.num_generations = 2      # two groups of 2
+  model = transformer.Transformer(config_utils.model_config_from(config.model))
+  tx = driver.make_optimizer(config)
+  mesh = sharding.make_mesh(dict(data=1), devices=jax.devices()[:1])
+  render = tasks.rendering(config.task.rendering)
+  prompts = tasks.addition_prompts(4, seed=0, render=render)["tokens"]
+  n = prompts.shape[1]
+  with jax.set_mesh(mesh):
+    state = trainer_lib.new_state(model, tx, mesh, 0)
+    step = driver.update_step(config, model, tx)
+    out = jax.device_get(sampler.generate(model.cfg, state.params, prompts, np.full(4, n), jax.random.PRNGKey(1),
+                                          sampler.SamplingConfig(max_new_tokens=6, stop_tokens=(render.stop_id,))))
+    responses = rollout.responses(prompts, np.full(4, n), out["tokens"], out["lengths"], out["logprobs"])
+    rows = rollout.loss_rows(responses, n + 5, render.pad_id)
+    before = jax.device_get((state.params, state.opt_state))
+    flat = lambda rewards: {**rows, "advantages": np.zeros_like(rows["old_logp"]) + np.asarray(rewards)[:, None],
+                            "rewards": np.zeros_like(rows["old_logp"]) + np.asarray(rewards)[:, None]}
+    state, metrics = step(state, flat([0.0] * 4))
+    assert float(metrics["gated"]) == 1.0 and float(metrics["skipped_steps"]) == 0.0
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get((state.params, state.opt_state)), before)
+    state, metrics = step(state, flat([0.5, -0.5, 0.0, 0.0]))
+  assert float(metrics["gated"]) == 0.0 and int(state.step) == 2
+  moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - b).max(), jax.device_get(state.params), before[0])
+  assert max(jax.tree.leaves(moved)) > 0
+
+
 def test_single_sample_groups_are_refused():
   config = load_config("configs/rl.py")
   config.rl.num_generations = 1

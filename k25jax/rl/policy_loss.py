@@ -7,17 +7,20 @@
                   grpo:  group-normalised advantages (losses.grpo_loss, from the rewards)
                   cispo: clipped importance-sampling weights (losses.cispo_loss)
 
-over the rows of `rollout.loss_rows` with per-row `advantages` and `rewards` columns.
+over the rows of `rollout.loss_rows` with per-row `advantages` and `rewards` columns. A
+minibatch whose advantages are 0 on every generated token (every group's rewards equal)
+has no policy gradient, and the loss gates its update off (`step.UPDATE_GATE`).
 """
 from __future__ import annotations
 
 from typing import Sequence
 
+import jax.numpy as jnp
 import ml_collections
 
 from k25jax import losses
 from k25jax.rl import rollout
-from k25jax.train import objective
+from k25jax.train import objective, step
 
 LOSSES = ("k25", "ppo", "grpo", "cispo")
 
@@ -54,5 +57,6 @@ def make_loss(model, loss_config: ml_collections.ConfigDict, *, group_size: int,
     logits, aux = objective.forward(model, params, batch)
     logp = rollout.token_logprobs(rollout.mask_banned(logits, banned), batch["targets"], temperature)
     loss, metrics = score(logp, batch)
-    return loss, (metrics, aux)
+    signal = jnp.any((batch["advantages"] != 0) & (batch["mask"] > 0))
+    return loss, ({**metrics, step.UPDATE_GATE: signal.astype(jnp.float32)}, aux)
   return loss_fn

@@ -5,10 +5,15 @@
     b'_l           = b_l + γ · sign(mean(load_l) − load_l)      per MoE layer l (router bias)
     θ'             = QK-Clip(θ', S_max, τ)                      MuonClip only (k25jax.optim.muonclip)
     if loss, g, θ' or s' is non-finite:  θ' = θ, s' = s, skipped += 1   (the step still advances)
+    if the loss gates the batch off (metrics[UPDATE_GATE] = 0):  θ' = θ, s' = s
 
 A stage supplies `loss_fn(params, batch, rng) -> (loss, (metrics, model_aux))`, with
 `model_aux` the model's aux dict (`expert_load` [moe_layers, E]; `max_logits` [layers,
-heads] when QK-Clip is on).
+heads] when QK-Clip is on). Its metrics may hold UPDATE_GATE, 0 for a batch that carries no
+gradient at all (an RL minibatch whose advantages are all 0): the gradient is then float
+noise, and a scale-invariant optimizer would turn it into a full step (Muon orthogonalises
+a 1e-9 gradient into the same update as a unit one), so nothing is updated. A gated step
+is not a skipped one; it is logged as `gated`.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from k25jax.train import sharding
 from k25jax.train.state import TrainState
 
 LossFn = Callable[[Any, dict, jax.Array], tuple[jax.Array, tuple[dict, dict]]]
+UPDATE_GATE = "update_gate"
 
 
 def _with_router_bias(layer: dict, load: jax.Array, gamma: float) -> dict:
@@ -86,12 +92,18 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, abstract_
                  "qk_clip/max_logit": clip["max_logit"], **per_layer}
     params = lm if lm_key is None else {**params, lm_key: lm}
     finite = jnp.isfinite(loss) & all_finite(grads) & all_finite(params) & all_finite(opt_state)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    gated = {}
+    apply = finite
+    if UPDATE_GATE in metrics:
+      metrics = dict(metrics)
+      gate = metrics.pop(UPDATE_GATE) > 0
+      apply, gated = finite & gate, {"gated": 1.0 - gate.astype(jnp.float32)}
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
     skipped = state.skipped + jnp.where(finite, 0, 1).astype(jnp.int32)
     new_state = state.replace(step=state.step + 1, params=keep(params, state.params),
                               opt_state=keep(opt_state, state.opt_state), rng=rng, skipped=skipped)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
-                   finite=finite.astype(jnp.float32), skipped_steps=skipped)
+                   finite=finite.astype(jnp.float32), skipped_steps=skipped, **gated)
     return new_state, metrics
 
   return jax.jit(step, in_shardings=(specs, batch_spec), out_shardings=(specs, P()),
