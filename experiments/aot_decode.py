@@ -9,7 +9,8 @@ the mesh — params by the logical-axis rules, the cache [rows, context, ·] by 
 batch axes (data, fsdp, expert) — the cache donated, under the logical-axis rules (expert
 parallelism reads them; `sampler.generate` itself sets none). The decoder runs layer by layer
 (the decode path does not scan), without remat, attention on XLA (the einsums over the
-cache, split by rows). For each layout and shape (rows × context) it prints and writes to
+cache, split by rows), or with `--attention=pallas` the Pallas decode kernel, each device on
+its own rows of the cache (`sequence_parallel.row_split_decode_attention`). For each layout and shape (rows × context) it prints and writes to
 experiments/results/aot_decode.json the per-chip bytes of the compiled step and:
 
     cache per token   (kv_lora_rank + qk_rope_head_dim) · layers · bytes     576 · 61 · 2 B at k25
@@ -62,9 +63,11 @@ DEFAULT_OUT = os.path.join(aot_compile.RESULTS, "aot_decode.json")
 ROOFLINE_CONTEXTS = (4096, 32768, 131072, 262144)
 
 
-def decode_model_config(section, platform: str) -> model_config.ModelConfig:
-  """The policy's decoder as the sampler runs it: layer by layer, no remat, XLA attention."""
-  cfg = config_utils.model_config_from(section).replace(scan_layers=False, remat_policy="none", attention_impl="xla")
+def decode_model_config(section, platform: str, attention_impl: str = "xla") -> model_config.ModelConfig:
+  """The policy's decoder as the sampler runs it: layer by layer, no remat; attention on XLA, or
+  ("pallas") the latent-cache decode kernel on each device's rows (`sequence_parallel`)."""
+  cfg = config_utils.model_config_from(section).replace(scan_layers=False, remat_policy="none",
+                                                        attention_impl=attention_impl)
   return aot_compile.target_model_config(cfg, platform)
 
 
@@ -104,9 +107,9 @@ def abstract_inputs(cfg: model_config.ModelConfig, mesh, rows: int, context: int
 
 
 def compile_decode(config, devices, mesh_sizes: dict, rows: int, context: int,
-                   compiler_options: dict | None = None) -> dict:
+                   compiler_options: dict | None = None, attention_impl: str = "xla") -> dict:
   """Compiles one decode step of `rows` sequences with a cache of `context` tokens; returns the row."""
-  cfg = decode_model_config(config.model, devices[0].platform)
+  cfg = decode_model_config(config.model, devices[0].platform, attention_impl)
   mesh = sharding.make_mesh(mesh_sizes, devices)
   sharding.check_batch(mesh, rows, "--shape rows")
   shards = math.prod(mesh.shape[axis] for axis in sharding.BATCH_AXES)
@@ -178,6 +181,8 @@ def main():
                                                        "data=8,expert=64)")
   parser.add_argument("--shape", action="append", help="ROWSxCONTEXT (repeat; default 2048x32768)")
   parser.add_argument("--set", action="append", default=[], help="config overrides, e.g. model.dtype=bfloat16")
+  parser.add_argument("--attention", default="xla", choices=("xla", "pallas"),
+                      help="the cache attention: XLA's einsums, or the Pallas decode kernel (Mosaic on the TPU)")
   parser.add_argument("--out", default=None, help=f"where to write the table (default {DEFAULT_OUT}, "
                                                    "only when every shape compiles and fits)")
   args = parser.parse_args()
@@ -186,7 +191,7 @@ def main():
   devices = topologies.get_topology_desc(args.topology, "tpu").devices
   layouts = [aot_compile.parse_mesh(m) for m in args.mesh or ["data=8,expert=64"]]
   shapes = [parse_shape(s) for s in args.shape or ["2048x32768"]]
-  cfg = decode_model_config(config.model, devices[0].platform)
+  cfg = decode_model_config(config.model, devices[0].platform, args.attention)
   print(f"{args.config}: decode step on {args.topology} ({len(devices)} × {devices[0].device_kind}); latent cache "
         f"{cache_bytes_per_token(cfg):,} bytes a token ({cfg.kv_lora_rank + cfg.qk_rope_head_dim} numbers × "
         f"{cfg.num_hidden_layers} layers × {jnp.dtype(cfg.dtype).itemsize} B)", flush=True)
@@ -194,7 +199,7 @@ def main():
   for mesh_sizes in layouts:
     for rows, context in shapes:
       try:
-        row = compile_decode(config, devices, mesh_sizes, rows, context)
+        row = compile_decode(config, devices, mesh_sizes, rows, context, attention_impl=args.attention)
       except Exception as e:  # pylint: disable=broad-except  (a shape that does not compile is a result)
         row = {"mesh": mesh_sizes, "rows": rows, "context": context, "error": f"{type(e).__name__}: {e}"}
       results.append(row)

@@ -109,6 +109,21 @@ def test_decode_step_compiles_with_the_cache_split_by_rows(monkeypatch):
   assert row["roofline"][0]["tokens_per_s_per_chip"] > 0
 
 
+def test_decode_step_compiles_the_decode_kernel_with_mosaic_on_each_chips_rows(monkeypatch):
+  """`--attention=pallas`: the latent-cache kernel in its shard_map, one Mosaic call a layer, and
+  the cache never gathered (each chip reads its own 2 rows)."""
+  xla = _tiny_compile(monkeypatch, "rl.py", "tiny", [], lambda aot, config, devices:
+                      aot.compile_decode(config, devices, {"data": 2, "expert": 2}, rows=8, context=64,
+                                         compiler_options=LOW_EFFORT))
+  row = _tiny_compile(monkeypatch, "rl.py", "tiny", [], lambda aot, config, devices:
+                      aot.compile_decode(config, devices, {"data": 2, "expert": 2}, rows=8, context=64,
+                                         compiler_options=LOW_EFFORT, attention_impl="pallas"))
+  layers = config_utils.model_config_from(load_config("configs/rl.py").model).num_hidden_layers
+  assert row["model"]["attention_impl"] == "pallas" and row["fits"]
+  assert row["pallas_calls"] == xla["pallas_calls"] + layers
+  assert row["collectives"]["all-gather"] == xla["collectives"]["all-gather"]
+
+
 def test_k25_latent_cache_is_576_numbers_a_token_and_layer(monkeypatch):
   monkeypatch.syspath_prepend(os.path.join(ROOT, "experiments"))
   import aot_decode

@@ -133,8 +133,9 @@ class MLA(nn.Module):
     q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w_uk)
     if attention_impl(cfg) == "pallas":
       from pallas_kernels import mla_decode  # loaded only when chosen
-      out_latent, max_logits = mla_decode.latent_attention(q_latent, q_rope, cache["latent"], cache["k_rope"],
-                                                           positions, softmax_scale(cfg))
+      out_latent, max_logits = sequence_parallel.row_split_decode_attention(
+          mla_decode.latent_attention, q_latent, q_rope, cache["latent"], cache["k_rope"], positions,
+          softmax_scale(cfg))
     else:
       logits = (jnp.einsum("bthc,bsc->bhts", q_latent, cache["latent"].astype(q.dtype),
                            preferred_element_type=jnp.float32)

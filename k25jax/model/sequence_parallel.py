@@ -21,6 +21,10 @@ already whole on every device that holds it: the heads split over `tensor` and n
 moves. With media in D shards the tower runs under `nn.vmap(spmd_axis_name=batch axes)`
 (`k25jax.model.k25`), and the shard_map's batching rule splits the shard axis over the batch
 axes, so each data shard runs the kernel on its own media.
+
+The latent-cache decode kernel (`row_split_decode_attention`) runs on each device's own
+rows of the cache (rows over the batch axes, as the sampler lays the cache out) and its
+own heads (over `tensor`); the cache, shared by the heads, is not split further.
 (`check_vma=False`: a pallas_call's outputs carry no record of the axes they vary over.)
 """
 from __future__ import annotations
@@ -88,6 +92,33 @@ def vision_head_split_attention(attention, q: jax.Array, k: jax.Array, v: jax.Ar
   patches = P(None, heads or None, None)
   return jax.shard_map(attention, in_specs=(patches, patches, patches, P(None)), out_specs=patches,
                        check_vma=False)(q, k, v, segment_ids)
+
+
+def row_split_decode_attention(attention, q_latent: jax.Array, q_rope: jax.Array, latent: jax.Array,
+                               k_rope: jax.Array, positions: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
+  """`attention(q_latent, q_rope, latent, k_rope, positions, scale) -> (out_latent, max_logits [h])`
+  per device on its own rows of the latent cache (module docstring): the queries q_latent
+  [b, t, h, c], q_rope [b, t, h, r] P(batch, None, tensor); the cache latent [b, S, c], k_rope
+  [b, S, r] and positions [b, t] by rows alone, since every head reads the same cache.
+  Returns (out_latent [b, t, h, c], max_logits [h] float32, the max over the batch axes)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return attention(q_latent, q_rope, latent, k_rope, positions, scale)
+  batch = _mesh_axes("activation_batch", mesh)
+  if q_latent.shape[0] % _devices(batch, mesh):
+    raise ValueError(f"latent decode attention: {q_latent.shape[0]} rows do not divide over the batch axes "
+                     f"{batch} ({_devices(batch, mesh)} devices)")
+  heads = _heads_axes(("activation_heads",), q_latent.shape[2], mesh, "latent decode attention")
+  queries = P(batch or None, None, heads or None, None)
+  cache = P(batch or None, None, None)
+
+  def local(q_latent, q_rope, latent, k_rope, positions):
+    out, max_logits = attention(q_latent, q_rope, latent, k_rope, positions, scale)
+    return out, jax.lax.pmax(max_logits, batch) if batch else max_logits
+
+  return jax.shard_map(local, in_specs=(queries, queries, cache, cache, P(batch or None, None)),
+                       out_specs=(queries, P(heads or None)), check_vma=False)(
+                           q_latent, q_rope, latent, k_rope, positions)
 
 
 def shard_axes(shards: int) -> tuple[str, ...] | None:
