@@ -97,6 +97,17 @@ def test_rl_update_step_compiles_for_the_driver(monkeypatch):
   assert row["fits"] and row["pallas_calls"] >= 3 and row["collectives"]["ragged-all-to-all"] >= 4
 
 
+def test_pallas_moe_kernels_compile_with_mosaic_on_each_chips_tokens(monkeypatch):
+  """moe_impl=pallas without expert parallelism (fsdp 2 × sequence 2): the routing kernel and the
+  expert layer's sort and grouped matmuls run in their shard_maps on each chip's tokens, so
+  Mosaic compiles them (unwrapped, it refuses to be partitioned)."""
+  overrides = ["model.scan_layers=True", "model.moe_impl=pallas", "rl.max_new_tokens=256",
+               "rl.prompts_per_iteration=2", "rl.minibatches=2"]
+  row = _tiny_compile(monkeypatch, "rl.py", "tiny", overrides, lambda aot, config, devices:
+                      aot.aot_compile.compile_step(config, devices, {"fsdp": 2, "sequence": 2}, "full", LOW_EFFORT))
+  assert row["fits"] and row["model"]["moe_impl"] == "pallas" and row["pallas_calls"] >= 5
+
+
 def test_decode_step_compiles_with_the_cache_split_by_rows(monkeypatch):
   row = _tiny_compile(monkeypatch, "rl.py", "tiny", [], lambda aot, config, devices:
                       aot.compile_decode(config, devices, {"data": 2, "expert": 2}, rows=8, context=64,

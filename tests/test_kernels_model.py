@@ -70,6 +70,42 @@ def test_pallas_decode_equals_xla(params):
   _close(outs[0][1]["max_logits"], outs[1][1]["max_logits"], 1e-5)
 
 
+def test_pallas_kernels_under_a_mesh_equal_xla(params):
+  """On fsdp 2 × sequence 2 × tensor 2 (the rows over fsdp and sequence, the heads over sequence
+  × tensor): the flash kernel on whole rows of each device's heads, the routing and expert
+  kernels on each device's tokens, the decode kernel on each device's cache rows. Logits,
+  expert loads, gradients and one decode step equal the unsharded XLA model."""
+  from k25jax.train import sharding
+  rng = np.random.default_rng(2)
+  tokens = jnp.asarray(rng.integers(0, 64, (2, 24)), jnp.int32)
+  segments = jnp.asarray([[1] * 14 + [2] * 10, [1] * 20 + [0] * 4], jnp.int32)
+  positions = jnp.asarray([list(range(14)) + list(range(10)), list(range(20)) + [0] * 4], jnp.int32)
+
+  def loss(cfg):
+    def fn(p):
+      logits, aux = transformer.Transformer(cfg).apply({"params": p}, tokens, positions, segments)
+      return jnp.mean(jax.nn.log_softmax(logits)[..., 0]) + aux["balance_loss"], (logits, aux)
+    return fn
+
+  cache = attention.init_cache(XLA, 2, 32)
+  for layer in cache:
+    for name in layer:
+      layer[name] = jnp.asarray(rng.normal(size=layer[name].shape), jnp.float32)
+  step_tokens, step_positions = jnp.asarray([[5], [9]], jnp.int32), jnp.asarray([[3], [31]], jnp.int32)
+  decode = lambda cfg: jax.jit(lambda p, c: transformer.Transformer(cfg).apply(
+      {"params": p}, step_tokens, step_positions, cache=c))
+  with jax.set_mesh(sharding.make_mesh(dict(fsdp=2, sequence=2, tensor=2))), nn.logical_axis_rules(sharding.RULES):
+    (_, (logits, aux)), grads = jax.jit(jax.value_and_grad(loss(PALLAS), has_aux=True))(params)
+    step_out, step_aux = decode(PALLAS)(params, cache)[:2]
+  (_, (ref_logits, ref_aux)), ref_grads = jax.jit(jax.value_and_grad(loss(XLA), has_aux=True))(params)
+  ref_step, ref_step_aux = decode(XLA)(params, cache)[:2]
+  _close(logits, ref_logits, 1e-5)
+  np.testing.assert_array_equal(aux["expert_load"], ref_aux["expert_load"])
+  jax.tree.map(lambda g, r: _close(g, r, 1e-5), grads, ref_grads)
+  _close(step_out, ref_step, 1e-5)
+  _close(step_aux["max_logits"], ref_step_aux["max_logits"], 1e-5)
+
+
 VISION = config.VisionConfig(pos_emb_height=6, pos_emb_width=6, num_attention_heads=2, num_hidden_layers=2,
                              hidden_size=16, intermediate_size=24, attention_impl="xla")
 GRIDS = ((1, 4, 6), (2, 2, 4), (1, 2, 2))   # an image, a 2-frame chunk, a small image: 44 patches, 9 merged

@@ -34,11 +34,13 @@ on what they receive.
 """
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from k25jax.model import expert_parallel
+from k25jax.model import expert_parallel, sequence_parallel
 from k25jax.model.config import ModelConfig
 from k25jax.model.layers import MLP, dtype_of, normal_init
 from k25jax.ops.moe import experts_dense, experts_ragged_dot, experts_ragged_or_dense, route
@@ -93,9 +95,10 @@ class Router(nn.Module):
     logits = jnp.dot(tokens.astype(jnp.float32), kernel)
     if cfg.moe_impl == "pallas":
       from pallas_kernels import moe as pallas_moe  # loaded only when chosen
-      r = pallas_moe.route(logits, bias, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
-                           topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
-                           routed_scaling_factor=cfg.routed_scaling_factor, sort=False)
+      kernel = functools.partial(pallas_moe.route, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
+                                 topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
+                                 routed_scaling_factor=cfg.routed_scaling_factor, sort=False)
+      r = sequence_parallel.token_split(kernel, (logits,), (bias,))
       return r.weights, r.experts, r.scores
     return route(logits, bias, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
                  topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
@@ -140,7 +143,7 @@ class Experts(nn.Module):
       y = experts_ragged_dot(tokens, experts, weights, gate, up, down)
     elif cfg.moe_impl == "pallas":
       from pallas_kernels import moe as pallas_moe  # loaded only when chosen
-      y = pallas_moe.routed_experts(tokens, experts, weights, gate, up, down)
+      y = sequence_parallel.token_split(pallas_moe.routed_experts, (tokens, experts, weights), (gate, up, down))
     else:
       raise NotImplementedError(f"moe_impl={cfg.moe_impl!r}")
     return y.reshape(shape), jnp.zeros((), jnp.int32)

@@ -1,4 +1,4 @@
-"""The Pallas flash attentions under a mesh: each device on whole rows of its own heads.
+"""The Pallas kernels under a mesh: each device on whole rows of its own heads, or on its own tokens.
 
 A Pallas kernel is one custom call that XLA's partitioner cannot split (Mosaic refuses to be
 partitioned automatically), so under a mesh it runs inside `jax.shard_map`. The decoder's
@@ -21,6 +21,10 @@ already whole on every device that holds it: the heads split over `tensor` and n
 moves. With media in D shards the tower runs under `nn.vmap(spmd_axis_name=batch axes)`
 (`k25jax.model.k25`), and the shard_map's batching rule splits the shard axis over the batch
 axes, so each data shard runs the kernel on its own media.
+
+The MoE kernels (routing, the dropless expert layer) work token by token: under a mesh
+`token_split` runs them on each device's own tokens, the router bias and the expert weights
+whole. (Under expert parallelism the expert layer is `k25jax.model.expert_parallel`'s.)
 
 The latent-cache decode kernel (`row_split_decode_attention`) runs on each device's own
 rows of the cache (rows over the batch axes, as the sampler lays the cache out) and its
@@ -119,6 +123,26 @@ def row_split_decode_attention(attention, q_latent: jax.Array, q_rope: jax.Array
   return jax.shard_map(local, in_specs=(queries, queries, cache, cache, P(batch or None, None)),
                        out_specs=(queries, P(heads or None)), check_vma=False)(
                            q_latent, q_rope, latent, k_rope, positions)
+
+
+def token_split(kernel, per_token: tuple, whole: tuple = ()):
+  """`kernel(*per_token, *whole)` per device on its own tokens (module docstring): each array of
+  `per_token` [T, ...] split on T over the mesh axes the decoder's tokens lie on (the batch
+  axes, then `sequence`, as the flattened [b·s] rows; the longest leading run of them whose
+  devices divide T: a decode step's T = rows splits over the batch axes alone), each of
+  `whole` whole on every device (gathered where sharded, as FSDP gathers a layer); every
+  output split like the tokens."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return kernel(*per_token, *whole)
+  axes = _mesh_axes("activation_batch", mesh) + _mesh_axes("activation_length", mesh)
+  while axes and per_token[0].shape[0] % _devices(axes, mesh):
+    axes = axes[:-1]
+  if not axes:
+    return kernel(*per_token, *whole)
+  rows = P(axes)
+  return jax.shard_map(kernel, in_specs=(rows,) * len(per_token) + (P(),) * len(whole), out_specs=rows,
+                       check_vma=False)(*per_token, *whole)
 
 
 def shard_axes(shards: int) -> tuple[str, ...] | None:
