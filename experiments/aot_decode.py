@@ -10,8 +10,9 @@ batch axes (data, fsdp, expert) — the cache donated, under the logical-axis ru
 parallelism reads them; `sampler.generate` itself sets none). The decoder runs layer by layer
 (the decode path does not scan), without remat, attention on XLA (the einsums over the
 cache, split by rows), or with `--attention=pallas` the Pallas decode kernel, each device on
-its own rows of the cache (`sequence_parallel.row_split_decode_attention`). For each layout and shape (rows × context) it prints and writes to
-experiments/results/aot_decode.json the per-chip bytes of the compiled step and:
+its own rows of the cache (`sequence_parallel.row_split_decode_attention`). For each layout
+and shape (rows × context) it prints and writes to experiments/results/aot_decode.json the
+per-chip bytes of the compiled step and:
 
     cache per token   (kv_lora_rank + qk_rope_head_dim) · layers · bytes     576 · 61 · 2 B at k25
     cache per chip    rows / batch shards · context · cache per token

@@ -25,6 +25,20 @@ def params():
   return jax.jit(transformer.init_params, static_argnums=0)(XLA, jax.random.PRNGKey(0))
 
 
+def _loss(cfg, tokens, positions, segments):
+  """θ -> (mean first-token log-prob + balance loss, (logits, aux)) of the model at `cfg`."""
+  def fn(p):
+    logits, aux = transformer.Transformer(cfg).apply({"params": p}, tokens, positions, segments)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 0]) + aux["balance_loss"], (logits, aux)
+  return fn
+
+
+def _random_cache(rng, rows: int = 2, slots: int = 32) -> list[dict]:
+  """A latent cache of the small model filled with normal noise."""
+  return [{name: jnp.asarray(rng.normal(size=x.shape), jnp.float32) for name, x in layer.items()}
+          for layer in attention.init_cache(XLA, rows, slots)]
+
+
 def test_auto_is_xla_on_cpu():
   assert attention.attention_impl(XLA.replace(attention_impl="auto")) == ("xla" if jax.default_backend() == "cpu"
                                                                           else "pallas")
@@ -35,13 +49,7 @@ def test_pallas_logits_and_gradients_equal_xla(params):
   tokens = jnp.asarray(rng.integers(0, 64, (2, 21)), jnp.int32)               # 21: not a block multiple
   segments = jnp.asarray([[1] * 12 + [2] * 9, [1] * 16 + [0] * 5], jnp.int32)
   positions = jnp.asarray([list(range(12)) + list(range(9)), list(range(16)) + [0] * 5], jnp.int32)
-
-  def loss(cfg):
-    def fn(p):
-      logits, aux = transformer.Transformer(cfg).apply({"params": p}, tokens, positions, segments)
-      return jnp.mean(jax.nn.log_softmax(logits)[..., 0]) + aux["balance_loss"], (logits, aux)
-    return fn
-
+  loss = lambda cfg: _loss(cfg, tokens, positions, segments)
   (_, (logits, aux)), grads = jax.jit(jax.value_and_grad(loss(PALLAS), has_aux=True))(params)
   (_, (ref_logits, ref_aux)), ref_grads = jax.jit(jax.value_and_grad(loss(XLA), has_aux=True))(params)
   _close(logits, ref_logits, 1e-5)
@@ -57,10 +65,7 @@ def test_pallas_logits_and_gradients_equal_xla(params):
 def test_pallas_decode_equals_xla(params):
   """Rows at different positions of one latent cache: one decode step, both paths."""
   rng = np.random.default_rng(1)
-  cache = attention.init_cache(XLA, 2, 32)
-  for layer in cache:
-    for name in layer:
-      layer[name] = jnp.asarray(rng.normal(size=layer[name].shape), jnp.float32)
+  cache = _random_cache(rng)
   tokens = jnp.asarray(rng.integers(0, 64, (2, 1)), jnp.int32)
   positions = jnp.asarray([[0], [31]], jnp.int32)                               # length 1 and the full cache
   outs = [jax.jit(lambda p, c, cfg=cfg: transformer.Transformer(cfg).apply({"params": p}, tokens, positions,
@@ -80,17 +85,8 @@ def test_pallas_kernels_under_a_mesh_equal_xla(params):
   tokens = jnp.asarray(rng.integers(0, 64, (2, 24)), jnp.int32)
   segments = jnp.asarray([[1] * 14 + [2] * 10, [1] * 20 + [0] * 4], jnp.int32)
   positions = jnp.asarray([list(range(14)) + list(range(10)), list(range(20)) + [0] * 4], jnp.int32)
-
-  def loss(cfg):
-    def fn(p):
-      logits, aux = transformer.Transformer(cfg).apply({"params": p}, tokens, positions, segments)
-      return jnp.mean(jax.nn.log_softmax(logits)[..., 0]) + aux["balance_loss"], (logits, aux)
-    return fn
-
-  cache = attention.init_cache(XLA, 2, 32)
-  for layer in cache:
-    for name in layer:
-      layer[name] = jnp.asarray(rng.normal(size=layer[name].shape), jnp.float32)
+  loss = lambda cfg: _loss(cfg, tokens, positions, segments)
+  cache = _random_cache(rng)
   step_tokens, step_positions = jnp.asarray([[5], [9]], jnp.int32), jnp.asarray([[3], [31]], jnp.int32)
   decode = lambda cfg: jax.jit(lambda p, c: transformer.Transformer(cfg).apply(
       {"params": p}, step_tokens, step_positions, cache=c))

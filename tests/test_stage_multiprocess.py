@@ -1,8 +1,9 @@
 """Stages on two processes (jax.distributed over localhost, gloo CPU collectives, 2 devices
 each) train exactly as on one process with 4 devices: the ViT stage (both phases) and joint
-pre-training, with their media sharded with the rows; RL with Toggle (the sampler's rollouts and budgets, the policy
-updates and the evaluation, from one warm start trained here: after hundreds of steps two
-runs of it differ by float noise, and sampling at T = 1 turns that into different tokens);
+pre-training, with their media sharded with the rows; RL with Toggle (the sampler's
+rollouts and budgets, the policy updates and the evaluation, from one warm start trained
+here: after hundreds of steps two runs of it differ by float noise, and sampling at T = 1
+turns that into different tokens);
 zero-vision SFT with visual examples (the image batches, then tool rollouts with and
 without the image); and vision RL from an SFT start trained here (image prompts encoded on
 the mesh, the K2.5 loss with the images).

@@ -62,6 +62,15 @@ def _heads_axes(logical: tuple[str, ...], heads: int, mesh, what: str) -> tuple[
   return axes
 
 
+def _max_logits_over(batch: tuple[str, ...], attention):
+  """`attention` -> (out, max_logits [h]) with the per-head max logit taken over the batch axes
+  (each device saw only its own rows)."""
+  def local(*args):
+    out, max_logits = attention(*args)
+    return out, jax.lax.pmax(max_logits, batch) if batch else max_logits
+  return local
+
+
 def head_split_attention(attention, q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
                          segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """`attention(q, k, v, scale, segment_ids) -> (out, max_logits [h])` per device, rows whole and
@@ -75,11 +84,7 @@ def head_split_attention(attention, q: jax.Array, k: jax.Array, v: jax.Array, sc
                       "sequence-parallel attention")
   seg = jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids
   rows = P(batch or None, None, heads or None, None)
-
-  def local(q, k, v, seg):
-    out, max_logits = attention(q, k, v, scale, seg)
-    return out, jax.lax.pmax(max_logits, batch) if batch else max_logits
-
+  local = _max_logits_over(batch, lambda q, k, v, seg: attention(q, k, v, scale, seg))
   return jax.shard_map(local, in_specs=(rows, rows, rows, P(batch or None, None)),
                        out_specs=(rows, P(heads or None)), check_vma=False)(q, k, v, seg)
 
@@ -115,11 +120,7 @@ def row_split_decode_attention(attention, q_latent: jax.Array, q_rope: jax.Array
   heads = _heads_axes(("activation_heads",), q_latent.shape[2], mesh, "latent decode attention")
   queries = P(batch or None, None, heads or None, None)
   cache = P(batch or None, None, None)
-
-  def local(q_latent, q_rope, latent, k_rope, positions):
-    out, max_logits = attention(q_latent, q_rope, latent, k_rope, positions, scale)
-    return out, jax.lax.pmax(max_logits, batch) if batch else max_logits
-
+  local = _max_logits_over(batch, lambda *args: attention(*args, scale))
   return jax.shard_map(local, in_specs=(queries, queries, cache, cache, P(batch or None, None)),
                        out_specs=(queries, P(heads or None)), check_vma=False)(
                            q_latent, q_rope, latent, k_rope, positions)
