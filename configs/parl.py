@@ -11,6 +11,16 @@ warm start, single agent on held-out tasks). Agents name lookups by reference (`
 S1 .. Sk all`, `search A next`, `answer all`: `k25jax/agents/tools.py`), so a model this
 small orchestrates without copying entity lists. About 15 minutes on 2 cores.
 
+Renderings (`parl.rendering`, `k25jax/agents/widesearch/rendering.py`): the same tasks,
+tools and scores, read and written either in the 91-id DSL (the default: one id a word,
+the fast CPU preset) or, with the `chat` switch (`configs/parl.py:tiny,chat`), in the K2.5
+chat format through the chat tokenizer (bytes + media + role tokens, 268 ids) on the tiny
+K2.5 chat model's decoder (`common.TINY_CHAT_TEXT`, the recipe's model): contexts are
+about 3.7x longer in ids. `warm_start.after_init=True` fine-tunes `init.checkpoint` on the
+demonstrations before RL (the recipe's PARL stage: a model that has never seen the
+protocol); it is then both the orchestrator's start and the sub-agents. The chat
+rendering has no single-agent baseline row (its `create` is bytes, not one id to ban).
+
 Run length: `train.steps` RL iterations (`rl.prompts_per_iteration` tasks ×
 `rl.num_generations` episodes, then `rl.minibatches` updates). The orchestrator's RL
 updates use MuonClip (`--config.optimizer.name=adamw` switches); the warm start's SFT fits
@@ -25,13 +35,16 @@ TINY_MODEL = dict(vocab_size=DSL_VOCAB_SIZE, hidden_size=96, intermediate_size=2
                   num_hidden_layers=3, num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2,
                   q_lora_rank=48, kv_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
                   max_position_embeddings=192)
+# The chat rendering's contexts: a budget-16 demonstration is at most ~520 ids, a turn 88.
+CHAT_MODEL = dict(common.TINY_CHAT_TEXT, max_position_embeddings=640)
 
 
 def get_config(arg=None):
-  common.preset_and_switches(arg, "configs/parl.py", ("tiny",))
+  _, switches = common.preset_and_switches(arg, "configs/parl.py", ("tiny",), ("chat",))
+  chat = "chat" in switches
   c = ml_collections.ConfigDict()
   c.stage = "parl"
-  c.model = common.model_section("tiny", **TINY_MODEL)
+  c.model = common.model_section("tiny", **(CHAT_MODEL if chat else TINY_MODEL))
   c.init = common.init_section()       # init.checkpoint: the orchestrator's start; '' = the warm start below
 
   # One SFT model on demonstrations of both roles when init.checkpoint is empty; it is both
@@ -45,7 +58,7 @@ def get_config(arg=None):
   c.warm_start = ml_collections.ConfigDict(dict(
       demonstrations=6000, steps=300, batch=32, seed=0, pack=True, log_every=50,
       checkpoint_every=150, router_bias_rate=1e-3, max_consecutive_skipped=10,
-      delegation_share=0.07, subagent_rows=2, capability_share=0.5, budget_range=(3, 16),
+      delegation_share=0.07, subagent_rows=2, capability_share=0.5, budget_range=(3, 16), after_init=False,
       optimizer=common.optimizer_section(3e-3, 40, 100)))
 
   c.parl = ml_collections.ConfigDict(dict(
@@ -57,7 +70,8 @@ def get_config(arg=None):
       anneal_steps=40, anneal_kind="linear",
       parallel_cap=2,              # r_parallel = min(#sub-agents, cap) / cap: near-binary
       subagent_checkpoint="",      # frozen sub-agents' checkpoint ('' = the orchestrator's start)
-      orchestrator_turn_tokens=24, subagent_turn_tokens=8,
+      rendering="chat" if chat else "dsl",   # what the model reads and writes: the DSL's ids or the chat format
+      orchestrator_turn_tokens=88 if chat else 24, subagent_turn_tokens=20 if chat else 8,
       eval_tasks=128, eval_seed=12345))
 
   c.rl = ml_collections.ConfigDict(dict(prompts_per_iteration=16, num_generations=8, minibatches=2, temperature=1.0))

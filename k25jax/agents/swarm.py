@@ -51,13 +51,13 @@ class Swarm:
     self.device_calls = collections.Counter()   # sampler calls per role
     self.decoded_rows = collections.Counter()   # agent turns per role
     self.overflows = 0
-    self._pending: list[tuple[str, tuple[int, ...], asyncio.Future]] = []
+    self._pending: list[tuple[widesearch.Request, widesearch.Rendering, asyncio.Future]] = []
     self._in_flight = 0
 
   # ----------------------------------------------------------------- agent side
   async def _agent_turn(self, episode: widesearch.Episode, request: widesearch.Request) -> None:
     future = asyncio.get_running_loop().create_future()
-    self._pending.append((request.role, request.context, future))
+    self._pending.append((request, episode.rendering, future))
     tokens, logprobs = await future
     self._in_flight -= 1
     episode.submit(request.agent, tokens, logprobs)
@@ -72,15 +72,19 @@ class Swarm:
     return episode.result()
 
   # ----------------------------------------------------------------- device side
-  def _decode(self, role: str, contexts: Sequence[tuple[int, ...]]) -> list[tuple[list[int], list[float]]]:
-    """One sampler call for all `contexts` of `role`; returns each row's (tokens, logprobs).
+  def _decode(self, role: str, requests: Sequence[widesearch.Request],
+              renderings: Sequence[widesearch.Rendering]) -> list[tuple[list[int], list[float]]]:
+    """One sampler call for the contexts of all `requests` of `role`; returns each row's
+    (tokens, logprobs).
 
-    A role may also be played by a plain function context → tokens (a scripted policy,
-    for tests): it is called per row and costs no device call."""
+    A role may also be played by a plain function DSL context → DSL turn (a scripted
+    policy, for tests): it is called per row on the request's `protocol`, its turn is
+    rendered as its episode's model would write it, and it costs no device call."""
     policy = self.policies[role]
     if callable(policy):
-      turns = [list(policy(c)) for c in contexts]
+      turns = [r.turn(list(policy(q.protocol))) for q, r in zip(requests, renderings)]
       return [(t, [0.0] * len(t)) for t in turns]
+    contexts = [q.context for q in requests]
     limit = policy.cfg.max_position_embeddings - policy.sampling.max_new_tokens
     fits = [len(c) <= limit for c in contexts]
     self.overflows += fits.count(False)
@@ -95,9 +99,10 @@ class Swarm:
     pending, self._pending = self._pending, []
     by_role = collections.defaultdict(list)
     for item in pending:
-      by_role[item[0]].append(item)
+      by_role[item[0].role].append(item)
     for role, items in by_role.items():
-      for (_, _, future), result in zip(items, self._decode(role, [c for _, c, _ in items])):
+      requests, renderings, futures = zip(*items)
+      for future, result in zip(futures, self._decode(role, requests, renderings)):
         future.set_result(result)
 
   async def _scheduler(self, episodes: list[asyncio.Task]) -> None:

@@ -41,16 +41,23 @@ from k25jax.model import transformer
 from k25jax.rl import driver, rollout, sampler
 from k25jax.train import config_utils, sharding, trainer as trainer_lib, warm_start as warm_start_lib
 
-SOLO_BANNED = (dsl.token_id("create"), dsl.token_id("assign"))
+SOLO_BANNED = (dsl.token_id("create"), dsl.token_id("assign"))   # the single agent's ban (DSL rendering)
 ROW_MULTIPLE = 64   # the update's rows are as wide as the longest orchestrator context, rounded up to this
+
+
+def rendering(config) -> widesearch.Rendering:
+  """The rendering the model reads and writes (`parl.rendering`: dsl | chat)."""
+  return widesearch.rendering.make(config.parl.rendering)
 
 
 # ------------------------------------------------------------------------------ policies
 def policies(config, model_cfg, orch_params, sub_params, *, greedy: bool, solo: bool = False) -> dict:
   """The swarm's two roles: the orchestrator (sampled while training) and frozen sub-agents (greedy)."""
-  p = config.parl
+  p, r = config.parl, rendering(config)
+  if solo and r.name != "dsl":
+    raise ValueError(f"the single agent bans `create`/`assign` tokens, which only the DSL rendering has (not {r.name})")
   turn = lambda n, temperature, banned=(): sampler.SamplingConfig(
-      max_new_tokens=n, temperature=temperature, stop_tokens=(dsl.EOT_ID,), pad_id=dsl.PAD_ID,
+      max_new_tokens=n, temperature=temperature, stop_tokens=(r.stop_id,), pad_id=r.pad_id,
       banned_tokens=banned)
   return {"orch": swarm.Policy(model_cfg, orch_params, turn(p.orchestrator_turn_tokens,
                                                             0.0 if greedy else config.rl.temperature,
@@ -62,7 +69,7 @@ def play(config, model_cfg, orch_params, sub_params, tasks, *, greedy: bool, sol
   """Plays one episode per task (the orchestrator sampled, or greedy); returns (results, runtime, wall s)."""
   runtime = swarm.Swarm(policies(config, model_cfg, orch_params, sub_params, greedy=greedy, solo=solo), seed)
   start = time.perf_counter()
-  results = runtime.run([widesearch.Episode(t) for t in tasks])
+  results = runtime.run([widesearch.Episode(t, rendering=rendering(config)) for t in tasks])
   return results, runtime, time.perf_counter() - start
 
 
@@ -131,35 +138,40 @@ def collector(config, model_cfg, sub_params):
     reward, parts = rewards(config, it, results)
     transcripts = [r.orchestrator for r in results]
     width = rollout.bucketed_width(transcripts, ROW_MULTIPLE, model_cfg.max_position_embeddings)
-    rows = rollout.loss_rows(transcripts, width, dsl.PAD_ID)
+    rows = rollout.loss_rows(transcripts, width, rendering(config).pad_id)
     return driver.Rollouts(rows, reward, {**parts, **summarize(results, wall), "reward": float(reward.mean()),
                                           "device_calls": float(sum(runtime.device_calls.values()))})
   return collect
 
 
 # ------------------------------------------------------------------------------ warm start
-def builtin_warm_start(config, model, mesh, workdir: str):
+def builtin_warm_start(config, model, mesh, workdir: str, init_params=None):
   """The params of the built-in warm start: one model fine-tuned on scripted demonstrations
-  of both roles (`warm_start`), trained (or resumed) under workdir/warm_start."""
-  ws, p = config.warm_start, config.parl
+  of both roles (`warm_start`), from `init_params` (default a fresh init), trained (or
+  resumed) under workdir/warm_start."""
+  ws, p, r = config.warm_start, config.parl, rendering(config)
+  max_length = model.cfg.max_position_embeddings
+  if r.name == "dsl":
+    max_length = min(widesearch.MAX_CONTEXT, max_length)
   demos = widesearch.demonstrations(ws.demonstrations, ws.seed, deep_fraction=p.deep_fraction,
                                     delegation_share=ws.delegation_share, subagent_rows=ws.subagent_rows,
                                     capability_share=ws.capability_share, budget_range=tuple(ws.budget_range),
                                     n_range=tuple(p.n_range), hops_range=tuple(p.hops_range),
-                                    max_length=min(widesearch.MAX_CONTEXT, model.cfg.max_position_embeddings))
+                                    max_length=max_length, rendering=r)
   wide = demos["kind"] == 0
   logging.info("parl warm start: %d demonstration contexts from %d scripted episodes (orchestrator: mean Item-F1 "
                "%.2f, sub-agents per episode %.2f wide, %.2f deep)", len(demos["tokens"]), ws.demonstrations,
                demos["item_f1"].mean(), demos["num_subagents"][wide].mean(), demos["num_subagents"][~wide].mean())
   params, _ = warm_start_lib.train(ws, model, demos["tokens"], demos["loss_mask"], demos["length"], mesh=mesh,
-                                   workdir=os.path.join(workdir, "warm_start"))
+                                   workdir=os.path.join(workdir, "warm_start"), init_params=init_params)
   return params
 
 
 def frozen_subagents(config, workdir: str):
   """The params of a run's frozen sub-agents, restored: `parl.subagent_checkpoint`, else the
   run's start (`init.checkpoint`, or the warm start it trained under workdir/warm_start)."""
-  path = config.parl.subagent_checkpoint or config.init.checkpoint or os.path.join(workdir, "warm_start")
+  start = "" if config.warm_start.after_init else config.init.checkpoint
+  path = config.parl.subagent_checkpoint or start or os.path.join(workdir, "warm_start")
   model = transformer.Transformer(config_utils.model_config_from(config.model))
   return trainer_lib.restore_params(model, path, sharding.make_mesh(config.mesh.to_dict()))
 
@@ -176,15 +188,27 @@ def check(config) -> None:
   _check_range("warm_start.budget_range", config.warm_start.budget_range, dsl.MIN_BUDGET, dsl.MAX_BUDGET)
   _check_range("parl.n_range", p.n_range, 1, dsl.NUM_ENTITIES)
   _check_range("parl.hops_range", p.hops_range, 1, dsl.NUM_VALUES - 1)
+  r = rendering(config)
+  if config.model.vocab_size != r.vocab_size:
+    raise ValueError(f"model.vocab_size={config.model.vocab_size}, but parl.rendering={r.name!r} has "
+                     f"{r.vocab_size} ids")
+  if config.warm_start.after_init and not config.init.checkpoint:
+    raise ValueError("warm_start.after_init=True fine-tunes init.checkpoint on the demonstrations; set init.checkpoint")
+  if config.parl.subagent_checkpoint and config.warm_start.after_init:
+    raise ValueError("warm_start.after_init=True makes the warm start the sub-agents too; "
+                     f"parl.subagent_checkpoint={config.parl.subagent_checkpoint!r} would replace them")
   driver.check(config)
 
 
 def evaluate_all(config, model_cfg, orch, sub, warm, tasks) -> dict[str, dict]:
-  """Held-out metrics of the trained swarm and of the warm-start model, as a swarm and as a
-  single agent; each sampled as in training (temperature `rl.temperature`) and greedy."""
+  """Held-out metrics of the trained swarm and of the warm-start model, as a swarm and (DSL
+  rendering: `create`/`assign` banned) as a single agent; each sampled as in training
+  (temperature `rl.temperature`) and greedy."""
   rows = {}
-  for name, params, solo in (("swarm (trained)", orch, False), ("swarm (warm start)", warm, False),
-                             ("single agent (warm start)", warm, True)):
+  contenders = [("swarm (trained)", orch, False), ("swarm (warm start)", warm, False)]
+  if rendering(config).name == "dsl":
+    contenders.append(("single agent (warm start)", warm, True))
+  for name, params, solo in contenders:
     for greedy in (False, True):
       play(config, model_cfg, params, sub, tasks, greedy=greedy, solo=solo)   # compile: time the second run
       results, runtime, wall = play(config, model_cfg, params, sub, tasks, greedy=greedy, solo=solo)
@@ -203,8 +227,8 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   eval_tasks = sample_tasks(config, p.eval_tasks, p.eval_seed)
   with trainer_lib.Trainer.for_config(config, workdir, model, driver.make_optimizer(config), mesh) as trainer:
     warm = trainer.params_from(config.init)
-    if warm is None:
-      warm = builtin_warm_start(config, model, mesh, workdir)
+    if warm is None or config.warm_start.after_init:
+      warm = builtin_warm_start(config, model, mesh, workdir, init_params=warm)
     sub = trainer_lib.restore_params(model, p.subagent_checkpoint, mesh) if p.subagent_checkpoint else warm
     state = trainer.start(default_params=lambda: warm)
 

@@ -84,6 +84,8 @@ RULES = {
     "data.tokenizer": _choice("bytes", "tiktoken"),
     "vision_schedule": _choice("constant", "ramp"),
     "anneal_kind": _choice("linear", "cosine"),
+    "parl.rendering": _choice("dsl", "chat"),     # k25jax.agents.widesearch.rendering.NAMES
+    "after_init": _rule(lambda v: isinstance(v, bool), "True or False"),
 }
 
 

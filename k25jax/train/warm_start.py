@@ -22,8 +22,9 @@ from k25jax.train import objective, optimizer, sharding, trainer as trainer_lib
 
 
 def train(section: ml_collections.ConfigDict, model, tokens: np.ndarray, weights: np.ndarray, lengths: np.ndarray,
-          *, mesh: jax.sharding.Mesh, workdir: str):
-  """Trains (or resumes) `section.steps` steps in `workdir`. Returns (params, history)."""
+          *, mesh: jax.sharding.Mesh, workdir: str, init_params=None):
+  """Trains (or resumes) `section.steps` steps in `workdir`, from `init_params` (default a
+  fresh init). Returns (params, history)."""
   packed = packing.pack(tokens, weights, lengths, share_rows=section.pack)
   n_rows = len(packed["inputs"])
   if section.batch > n_rows:
@@ -34,7 +35,7 @@ def train(section: ml_collections.ConfigDict, model, tokens: np.ndarray, weights
   batch_at = lambda step: to_device({name: v[rows_at(step)] for name, v in packed.items()})
   tx = optimizer.make_optimizer(section.optimizer, section.steps)
   with trainer_lib.Trainer(workdir, model, tx, mesh=mesh, seed=section.seed, keep_checkpoints=2) as trainer:
-    state = trainer.start()
+    state = trainer.start(default_params=None if init_params is None else lambda: init_params)
     logging.info("warm start: %d demonstrations packed into %d rows, %d steps of %d rows, from step %d in %s",
                  len(tokens), n_rows, section.steps, section.batch, int(state.step), workdir)
     step = trainer.train_step(objective.next_token(model), router_bias_rate=section.router_bias_rate,

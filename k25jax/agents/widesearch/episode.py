@@ -18,7 +18,8 @@ first stage B − 2.
 
 Driving an episode (the swarm runtime batches `requests()` of many episodes):
 
-    episode = Episode(task)                       # or Episode(task, budget=B): the task under budget B
+    episode = Episode(task)                       # or Episode(task, budget=B): the task under budget B;
+                                                  # Episode(task, rendering=ChatRendering()): in the chat format
     while not episode.done:
       for request in episode.requests():          # the orchestrator, or this stage's sub-agents
         episode.submit(request.agent, policy(request.context))
@@ -34,6 +35,7 @@ import numpy as np
 
 from k25jax.agents import dsl
 from k25jax.agents import tools
+from k25jax.agents.widesearch.rendering import DSLRendering, Rendering
 from k25jax.agents.widesearch.scoring import TableScore, score_table, table_rows
 from k25jax.agents.widesearch.steps import StepTrace
 from k25jax.agents.widesearch.tasks import TERMINAL_VALUE, Task, remaining
@@ -41,9 +43,11 @@ from k25jax.agents.widesearch.tasks import TERMINAL_VALUE, Task, remaining
 
 @dataclasses.dataclass
 class AgentTranscript:
-  """One agent context as it grew: `loss_mask` 1 on tokens the agent generated (its turns),
-  0 on the environment's (prompt, observations, a `|` closing a truncated turn);
-  `logprobs` as submitted for generated tokens, 0 elsewhere."""
+  """One agent context as it grew, in the episode's rendering: `tokens` what the model reads,
+  `loss_mask` 1 on tokens the agent generated (its turns), 0 on the environment's (prompt,
+  observations, what closes a truncated turn); `logprobs` as submitted for generated
+  tokens, 0 elsewhere. `protocol` is the same context in DSL ids, the text form the
+  environment reads (`rendering`); under the DSL rendering it equals `tokens`."""
 
   role: str
   agent: str
@@ -51,8 +55,11 @@ class AgentTranscript:
   tokens: list[int] = dataclasses.field(default_factory=list)
   loss_mask: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
+  protocol: list[int] = dataclasses.field(default_factory=list)
 
-  def add(self, tokens: Sequence[int], *, generated: bool, logprobs: Sequence[float] | None = None) -> None:
+  def add(self, tokens: Sequence[int], *, generated: bool, logprobs: Sequence[float] | None = None,
+          protocol: Sequence[int] | None = None) -> None:
+    """Appends rendered `tokens`, and their DSL ids `protocol` (default: `tokens`, the DSL rendering)."""
     tokens = [int(t) for t in tokens]
     if logprobs is None:
       logprobs = [0.0] * len(tokens)
@@ -61,20 +68,24 @@ class AgentTranscript:
     self.tokens += tokens
     self.loss_mask += [int(generated)] * len(tokens)
     self.logprobs += [float(x) for x in logprobs]
+    self.protocol += tokens if protocol is None else [int(t) for t in protocol]
 
   @property
   def text(self) -> str:
-    return dsl.decode(self.tokens)
+    """The context's readable text (DSL words)."""
+    return dsl.decode(self.protocol)
 
 
 @dataclasses.dataclass(frozen=True)
 class Request:
   """An agent waiting for its next turn: `agent` "main" or a sub-agent name ("S1"),
-  `role` orch|sub, `context` its token ids so far (generate the turn after them)."""
+  `role` orch|sub, `context` its token ids so far in the episode's rendering (generate the
+  turn after them), `protocol` the same in DSL ids (what scripted policies read)."""
 
   agent: str
   role: str
   context: tuple[int, ...]
+  protocol: tuple[int, ...]
 
 
 @dataclasses.dataclass
@@ -158,7 +169,8 @@ class Episode:
   cells its agent has observed.
   """
 
-  def __init__(self, task: Task, *, budget: int | None = None, max_subagent_steps: int | None = None):
+  def __init__(self, task: Task, *, budget: int | None = None, max_subagent_steps: int | None = None,
+               rendering: Rendering | None = None):
     budget = task.budget if budget is None else int(budget)
     if budget < 2:
       raise ValueError(f"budget={budget}: an episode needs at least 2 critical steps (a step and the answer)")
@@ -166,9 +178,10 @@ class Episode:
       raise ValueError(f"max_subagent_steps={max_subagent_steps} must be >= 1")
     self.task = task if budget == task.budget else task.with_budget(budget)
     self.max_subagent_steps = max_subagent_steps
+    self.rendering = DSLRendering() if rendering is None else rendering
     self.trace = StepTrace()
     self.orchestrator = AgentTranscript("orch", "main", 0)
-    self.orchestrator.add(self.task.prompt(), generated=False)
+    self.orchestrator.add(self.rendering.prompt(self.task.prompt()), generated=False, protocol=self.task.prompt())
     self.subagents: list[AgentTranscript] = []
     self.created: dict[int, str] = {}
     self.errors = {"orch": collections.Counter(), "sub": collections.Counter()}
@@ -197,13 +210,14 @@ class Episode:
     if self.done:
       return []
     if self._main_waiting:
-      return [Request("main", "orch", tuple(self.orchestrator.tokens))]
-    return [Request(dsl.AGENT.name(slot), "sub", tuple(run.transcript.tokens))
+      return [Request("main", "orch", tuple(self.orchestrator.tokens), tuple(self.orchestrator.protocol))]
+    return [Request(dsl.AGENT.name(slot), "sub", tuple(run.transcript.tokens), tuple(run.transcript.protocol))
             for slot, run in self._runs.items() if not run.done]
 
   def submit(self, agent: str, tokens: Sequence[int], logprobs: Sequence[float] | None = None) -> None:
-    """Gives `agent` ("main" or "S1".."S8") its generated turn: exactly the generated ids
-    (up to its `|`, or all of them if it never came), with their log-probs if any."""
+    """Gives `agent` ("main" or "S1".."S8") its generated turn: the generated ids in the
+    episode's rendering (read up to the turn's stop, or all of them if it never came), with
+    their log-probs if any."""
     if self.done:
       raise ValueError("the episode is over")
     if agent == "main":
@@ -218,21 +232,27 @@ class Episode:
 
   # -- turns --
 
-  def _record_turn(self, transcript: AgentTranscript, parsed: tools.ParsedTurn, logprobs, role: str) -> None:
-    turn_logprobs = None if logprobs is None else list(logprobs)[:len(parsed.tokens)]
-    transcript.add(parsed.tokens, generated=True, logprobs=turn_logprobs)
+  def _turn(self, transcript: AgentTranscript, generated, logprobs, role: str, **known) -> tools.ParsedTurn:
+    """Reads a generated turn through the rendering, parses its DSL words and records it."""
+    tokens, words = self.rendering.read_turn(generated)
+    parsed = tools.parse_turn(words, role=role, **known)
+    turn_logprobs = None if logprobs is None else list(logprobs)[:len(tokens)]
+    transcript.add(tokens, generated=True, logprobs=turn_logprobs, protocol=parsed.tokens)
     if not parsed.complete:
-      transcript.add([dsl.EOT_ID], generated=False)
+      transcript.add(self.rendering.close(), generated=False, protocol=[dsl.EOT_ID])
     self.errors[role].update(e.code for e in parsed.errors)
+    return parsed
+
+  def _observe(self, transcript: AgentTranscript, block: list[int]) -> None:
+    transcript.add(self.rendering.observation(block), generated=False, protocol=block)
 
   def _error(self, role: str, code: str, tool: str | None, detail: str) -> tools.ToolError:
     self.errors[role][code] += 1
     return tools.ToolError(code, tool, detail)
 
   def _orchestrator_turn(self, tokens, logprobs) -> None:
-    view = tools.read_context(self.orchestrator.tokens)
-    parsed = tools.parse_turn(tokens, role="orch", known_agents=self.created)
-    self._record_turn(self.orchestrator, parsed, logprobs, "orch")
+    view = tools.read_context(self.orchestrator.protocol)
+    parsed = self._turn(self.orchestrator, tokens, logprobs, "orch", known_agents=self.created)
     self._main_waiting = False
     if parsed.answer is not None or self.forced:
       if parsed.answer is None:
@@ -279,16 +299,16 @@ class Episode:
       return
     name, system = dsl.AGENT.name(call.agent), self.created[call.agent]
     transcript = AgentTranscript("sub", name, len(self.trace.stages))
-    transcript.add(tools.format_prompt("sub", system, call.attribute, call.entities), generated=False)
+    prompt = tools.format_prompt("sub", system, call.attribute, call.entities)
+    transcript.add(self.rendering.prompt(prompt), generated=False, protocol=prompt)
     self._runs[call.agent] = _SubagentRun(call, system, transcript, allowance)
     self.subagents.append(transcript)
     self.num_assigned += 1
     self._ever_assigned.add(call.agent)
 
   def _subagent_turn(self, run: _SubagentRun, tokens, logprobs) -> None:
-    view = tools.read_context(run.transcript.tokens)
-    parsed = tools.parse_turn(tokens, role="sub")
-    self._record_turn(run.transcript, parsed, logprobs, "sub")
+    view = tools.read_context(run.transcript.protocol)
+    parsed = self._turn(run.transcript, tokens, logprobs, "sub")
     if parsed.answer is not None or run.forced:
       if parsed.answer is None:
         self._error("sub", "no_answer", None, "the budget forced an answer")
@@ -300,7 +320,7 @@ class Episode:
       rows = [row for c in parsed.valid if isinstance(c, (tools.Search, tools.SearchNext))
               for row in self._lookup(c, needed, "sub", errors)]
       run.forced = run.steps >= run.allowance
-      run.transcript.add(tools.format_observation(rows, errors, stop=run.forced), generated=False)
+      self._observe(run.transcript, tools.format_observation(rows, errors, stop=run.forced))
     if all(r.done for r in self._runs.values()):
       self._close_stage()
 
@@ -311,7 +331,7 @@ class Episode:
     self.num_finished += sum(run.finished for run in self._runs.values())
     self._runs = {}
     self.forced = self.used_steps + 1 >= self.budget
-    self.orchestrator.add(tools.format_observation(rows, self._main_errors, stop=self.forced), generated=False)
+    self._observe(self.orchestrator, tools.format_observation(rows, self._main_errors, stop=self.forced))
     self._main_waiting = True
 
   def result(self) -> EpisodeResult:

@@ -12,6 +12,7 @@ import numpy as np
 from k25jax.agents import dsl
 from k25jax.agents import tools
 from k25jax.agents.widesearch.episode import AgentTranscript, Episode, EpisodeResult
+from k25jax.agents.widesearch.rendering import DSLRendering, Rendering
 from k25jax.agents.widesearch.tasks import MAX_CONTEXT, Task, remaining, sample_tasks
 
 Policy = Callable[[Sequence[int]], list[int]]
@@ -75,31 +76,36 @@ class SerialOrchestrator:
 
 
 def run_episode(task: Task, orchestrator: Policy, subagent: Policy = solo_policy, *,
-                budget: int | None = None, max_subagent_steps: int | None = None) -> EpisodeResult:
-  """Drives one episode with plain callables (context ids → turn ids) until it ends
-  (under the task's budget unless `budget` is given)."""
-  episode = Episode(task, budget=budget, max_subagent_steps=max_subagent_steps)
+                budget: int | None = None, max_subagent_steps: int | None = None,
+                rendering: Rendering | None = None) -> EpisodeResult:
+  """Drives one episode with plain callables (DSL context ids → DSL turn ids) until it ends
+  (under the task's budget unless `budget` is given); the transcripts are in `rendering`
+  (default the DSL's), each turn rendered as the model would write it."""
+  episode = Episode(task, budget=budget, max_subagent_steps=max_subagent_steps, rendering=rendering)
   while not episode.done:
     for request in episode.requests():
       policy = orchestrator if request.role == "orch" else subagent
-      episode.submit(request.agent, policy(request.context))
+      episode.submit(request.agent, episode.rendering.turn(policy(request.protocol)))
   return episode.result()
 
 
 DEMO_BUDGETS = (dsl.MIN_BUDGET + 1, dsl.MAX_BUDGET)   # demonstrations span every budget a prompt shows but 2
 
 
-def _without_first_choice(transcript: AgentTranscript) -> AgentTranscript:
-  """A copy with the loss off the first generated token (the agent's first decision)."""
+def _without_first_choice(transcript: AgentTranscript, markers: frozenset[int]) -> AgentTranscript:
+  """A copy with the loss off the first generated token that is not a rendering marker
+  (the agent's first decision: `create` in the DSL, its `c` after `<|call|>` in chat)."""
   mask = list(transcript.loss_mask)
-  mask[mask.index(1)] = 0
+  first = next(i for i, (m, t) in enumerate(zip(mask, transcript.tokens)) if m and t not in markers)
+  mask[first] = 0
   return dataclasses.replace(transcript, loss_mask=mask)
 
 
 def demonstrations(num_episodes: int, seed: int, *, deep_fraction: float = 0.25, delegation_share: float = 0.1,
                    subagent_rows: int = 2, capability_share: float = 0.5,
                    budget_range: tuple[int, int] = DEMO_BUDGETS,
-                   max_length: int = MAX_CONTEXT, **task_kwargs) -> dict[str, np.ndarray]:
+                   max_length: int = MAX_CONTEXT, rendering: Rendering | None = None,
+                   **task_kwargs) -> dict[str, np.ndarray]:
   """SFT demonstrations of both roles, from scripted policies run through the budgeted env.
 
   The orchestrator starts in serial collapse: its demonstrations solve each task alone
@@ -113,7 +119,8 @@ def demonstrations(num_episodes: int, seed: int, *, deep_fraction: float = 0.25,
   `capability_share` of episodes that run's orchestrator context is kept too, with the
   loss off its first token (`create`, the choice to split): the model learns to write a
   split and to read its hand-backs without learning to prefer splitting, which only the
-  `delegation_share` teaches. Tasks draw budgets from `budget_range` (inclusive). Every
+  `delegation_share` teaches. Tasks draw budgets from `budget_range` (inclusive). The
+  contexts are in `rendering` (default the DSL's; `max_length` counts its ids). Every
   context is one row (deterministic given seed):
     tokens     int32 [N, max_length]   context, then PAD
     loss_mask  float32 [N, max_length] 1 on generated tokens (the SFT targets:
@@ -125,15 +132,16 @@ def demonstrations(num_episodes: int, seed: int, *, deep_fraction: float = 0.25,
   Raises ValueError if a context is longer than max_length.
   """
   tasks = sample_tasks(num_episodes, seed, deep_fraction=deep_fraction, budget_range=budget_range, **task_kwargs)
+  rendering = DSLRendering() if rendering is None else rendering
   rows, per_episode = [], collections.defaultdict(list)
   for index, task in enumerate(tasks):
     rng = np.random.default_rng((seed, index, 1))
-    result = run_episode(task, SerialOrchestrator(rng, delegation_share))
+    result = run_episode(task, SerialOrchestrator(rng, delegation_share), rendering=rendering)
     k = 1 if task.kind == "deep" else int(rng.integers(1, min(len(task.entities), dsl.NUM_AGENTS) + 1))
-    split = run_episode(task, ScriptedOrchestrator(k))
+    split = run_episode(task, ScriptedOrchestrator(k), rendering=rendering)
     helpers = [split.subagents[i] for i in sorted(rng.permutation(len(split.subagents))[:subagent_rows])]
     if rng.random() < capability_share:
-      helpers.append(_without_first_choice(split.orchestrator))
+      helpers.append(_without_first_choice(split.orchestrator, rendering.markers))
     rows += [(t, index) for t in [result.orchestrator, *result.subagents, *helpers]]
     per_episode["num_subagents"].append(result.num_created)
     per_episode["item_f1"].append(result.score.item_f1)
@@ -143,7 +151,7 @@ def demonstrations(num_episodes: int, seed: int, *, deep_fraction: float = 0.25,
   longest = max(len(t.tokens) for t, _ in rows)
   if longest > max_length:
     raise ValueError(f"a demonstration context has {longest} tokens, more than max_length={max_length}")
-  tokens = np.full((len(rows), max_length), dsl.PAD_ID, np.int32)
+  tokens = np.full((len(rows), max_length), rendering.pad_id, np.int32)
   loss_mask = np.zeros((len(rows), max_length), np.float32)
   for j, (transcript, _) in enumerate(rows):
     tokens[j, :len(transcript.tokens)] = transcript.tokens
