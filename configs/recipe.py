@@ -9,25 +9,28 @@ each starting from the previous one's workdir (`init`), and probes the model aft
     midtrain        configs/midtrain.py               long rows with YaRN
     sft             configs/sft.py:tiny,arithmetic    zero-vision SFT (+ addition chats)
     joint_rl        configs/rl.py:joint,toggle        RL on text and image tasks by ability, Toggle on
+    parl            configs/parl.py:tiny,chat         the agent swarm in the chat format: the decoder
+                                                      fine-tuned on the scripted demonstrations
+                                                      (warm_start.after_init), then PARL
 
 The model is the tiny K2.5 chat model of configs/sft.py (`common.TINY_CHAT_TEXT`: 268 ids,
 hidden 128, 2 layers; the tiny MoonViT-3D): the byte tokenizer with media tokens of the
 pre-training stages is a prefix of the chat tokenizer's ids, so one vocabulary serves all.
-The text stage trains the decoder alone (`model_section`), the others the K2.5 model.
+The text stage and PARL train the decoder alone (`model_section`; PARL's tasks are text, and
+the K2.5 model after it is joint RL's with PARL's decoder), the others the K2.5 model.
 Every stage optimises with MuonClip (Muon + QK-Clip on the decoder), as in the paper.
 Mid-training stretches the context 4x over the model's 512 positions (YaRN, 2,048); the
 stages after it keep that rope (`experiments/recipe.py` carries it on).
 
 Presets: `tiny` (default; the experiment, about an hour on 2 cores) and `test` (a smaller
-model and a few steps a stage: the chain test, tests/test_recipe.py). The PARL stage is
-not in the chain: its tasks render only in the wide-search DSL (91 ids), another model.
+model and a few steps a stage: the chain test, tests/test_recipe.py).
 """
 import ml_collections
 
-from configs import common, midtrain, pretrain, rl, sft, vit
+from configs import common, midtrain, parl, pretrain, rl, sft, vit
 
-STAGES = ("text_pretrain", "vit", "joint_pretrain", "midtrain", "sft", "joint_rl")
-K25_STAGES = STAGES[1:]      # the stages of the K2.5 model (text_pretrain trains the decoder alone)
+STAGES = ("text_pretrain", "vit", "joint_pretrain", "midtrain", "sft", "joint_rl", "parl")
+K25_STAGES = STAGES[1:-1]    # the stages of the K2.5 model (text_pretrain and parl train the decoder alone)
 
 # The test preset's model: one layer each, narrower (every stage a few seconds).
 TEST_TEXT = dict(common.TINY_CHAT_TEXT, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
@@ -49,11 +52,13 @@ def stage_configs(preset: str) -> dict[str, ml_collections.ConfigDict]:
   """Each stage's config (STAGES order), its model the recipe's and `init` empty."""
   configs = {"text_pretrain": pretrain.get_config("tiny"), "vit": vit.get_config("tiny"),
              "joint_pretrain": pretrain.get_config("joint"), "midtrain": midtrain.get_config("tiny"),
-             "sft": sft.get_config("tiny,arithmetic"), "joint_rl": rl.get_config("joint,toggle")}
+             "sft": sft.get_config("tiny,arithmetic"), "joint_rl": rl.get_config("joint,toggle"),
+             "parl": parl.get_config("tiny,chat")}
   for name, c in configs.items():
     c.model = model_section(name in K25_STAGES, preset)
     c.init.checkpoint = ""
     c.optimizer.name = "muonclip"     # as in the paper: text pre-training's default is AdamW
+  configs["parl"].warm_start.after_init = True   # the demonstrations fine-tune the chain's model
   text = configs["text_pretrain"].model
   configs["midtrain"].long_context.original_context = text.max_position_embeddings
   if preset == "test":
@@ -85,8 +90,15 @@ def shrink(configs: dict[str, ml_collections.ConfigDict]) -> None:
   r.train.update(steps=1, eval_every=1, log_every=1, checkpoint_every=1)
   r.toggle.enabled = False
   r.sandbox.sessions = 4
+  p = configs["parl"]
+  p.warm_start.update(demonstrations=16, steps=2, batch=4, log_every=1, checkpoint_every=2)
+  p.warm_start.optimizer.update(warmup_steps=1, decay_steps=1)
+  p.rl.update(prompts_per_iteration=2, num_generations=2, minibatches=1)
+  p.parl.update(eval_tasks=2, n_range=(2, 6), hops_range=(4, 5), budget_range=(3, 5), anneal_steps=1,
+                orchestrator_turn_tokens=40, subagent_turn_tokens=20)
+  p.train.update(steps=1, eval_every=1, log_every=1, checkpoint_every=1)
   for name, c in configs.items():
-    c.optimizer.update(warmup_steps=1, decay_steps=0 if name == "joint_rl" else 1)
+    c.optimizer.update(warmup_steps=1, decay_steps=0 if name in ("joint_rl", "parl") else 1)
 
 
 def get_config(arg=None) -> ml_collections.ConfigDict:

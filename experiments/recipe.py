@@ -3,11 +3,12 @@
     python experiments/recipe.py [--preset tiny|test --root runs/recipe --out experiments/results/recipe]
 
 Runs the stages of `configs/recipe.py` in order — text pre-training → ViT → joint pre-training
-(10:90) → mid-training (YaRN) → zero-vision SFT → joint RL with Toggle — each in
+(10:90) → mid-training (YaRN) → zero-vision SFT → joint RL with Toggle → PARL — each in
 `<root>/<stage>`, its `init` the previous stage's workdir (`init_from`: `init.checkpoint`, or
 `init.text_checkpoint` where a K2.5 stage follows the text-only one). Mid-training's YaRN rope
 is carried on to the stages after it. Before the first stage (a fresh K2.5 model) and after
-every stage the same held-out probes measure the model (`recipe_probes.PROBES`). A stage that
+every stage the same held-out probes measure the model (`recipe_probes.PROBES`); after PARL,
+which trains the decoder alone, the K2.5 model is joint RL's with PARL's decoder. A stage that
 finished (`<root>/<stage>/recipe_stage.json`) is not run again, so the command resumes (and
 a root whose first stages link to another root's runs an ablation of the later ones:
 `--set sft.optimizer.name=adamw`).
@@ -45,11 +46,11 @@ from k25jax.train import checkpoint, config_utils, sharding, trainer as trainer_
 
 STAGES = recipe_config.STAGES
 STAGE_MODULES = {"text_pretrain": "pretrain", "vit": "vit", "joint_pretrain": "pretrain", "midtrain": "midtrain",
-                 "sft": "sft", "joint_rl": "rl_vision"}
+                 "sft": "sft", "joint_rl": "rl_vision", "parl": "parl"}
 # The probes each stage trains (the ones it must improve over the checkpoint it started from).
 TRAINS = {"text_pretrain": ("text_loss",), "vit": ("caption_loss", "count_loss"),
           "joint_pretrain": ("text_loss", "caption_loss", "count_loss"), "midtrain": ("long_text_loss",),
-          "sft": ("image_tool", "arithmetic"), "joint_rl": ("arithmetic", "image_tool")}
+          "sft": ("image_tool", "arithmetic"), "joint_rl": ("arithmetic", "image_tool"), "parl": ("parl_item_f1",)}
 LOWER_IS_BETTER = recipe_probes.LOSSES
 
 
@@ -74,8 +75,9 @@ def carry_long_context(configs: dict[str, ml_collections.ConfigDict]) -> None:
   """The stages after mid-training keep its rope: YaRN, max positions = factor · original context."""
   lc = configs["midtrain"].long_context
   for name in STAGES[STAGES.index("midtrain") + 1:]:
-    configs[name].model.text.update(rope_scaling=midtrain.yarn_scaling(lc),
-                                    max_position_embeddings=int(round(lc.yarn_factor * lc.original_context)))
+    text = configs[name].model.text if "vision" in configs[name].model else configs[name].model
+    text.update(rope_scaling=midtrain.yarn_scaling(lc),
+                max_position_embeddings=int(round(lc.yarn_factor * lc.original_context)))
 
 
 def stage_configs(preset: str, overrides: tuple[str, ...] = ()) -> dict[str, ml_collections.ConfigDict]:
@@ -92,20 +94,27 @@ def stage_configs(preset: str, overrides: tuple[str, ...] = ()) -> dict[str, ml_
 
 
 def k25_model_config(name: str, configs: dict[str, ml_collections.ConfigDict]):
-  """The K2.5 model of stage `name` (the text stage's: the K2.5 model the ViT stage builds on it)."""
+  """The K2.5 model of stage `name` (the text stage's: the K2.5 model the ViT stage builds on it;
+  PARL's: joint RL's)."""
   tok = chat.ChatTokenizer()
   if name == "midtrain":
     return midtrain.long_context_model(configs[name], tok)
-  return config_utils.k25_config_from(configs["vit" if name == "text_pretrain" else name].model, tok)
+  k25_stage = {"text_pretrain": "vit", "parl": "joint_rl"}.get(name, name)
+  return config_utils.k25_config_from(configs[k25_stage].model, tok)
 
 
-def k25_params(model_cfg, workdir: str | None, mesh):
-  """The K2.5 params of the run in `workdir` (a text-only run: its decoder, the rest a fresh init
-  of key 0, as the ViT stage starts), or a fresh init when `workdir` is None."""
+def k25_params(model_cfg, workdir: str | None, mesh, rest_from: str | None = None):
+  """The K2.5 params of the run in `workdir`, or a fresh init when `workdir` is None. A
+  text-only run gives the decoder; the rest is K2.5 run `rest_from`'s (PARL after joint RL),
+  else a fresh init of key 0 (text pre-training, as the ViT stage starts)."""
   model = k25.K25(model_cfg)
   with jax.set_mesh(mesh):
     if workdir is None:
       return trainer_lib.fresh_params(model, mesh, seed=0)
+    text_only = k25.LANGUAGE_MODEL not in checkpoint.saved_params_keys(workdir)
+    if text_only and rest_from is not None:
+      params = trainer_lib.restore_params(model, rest_from, mesh)
+      return {**params, k25.LANGUAGE_MODEL: trainer_lib.restore_params(model, workdir, mesh, k25.LANGUAGE_MODEL)}
     return trainer_lib.params_from(model, ml_collections.ConfigDict(init_fields(True, workdir)), mesh, seed=0)
 
 
@@ -124,7 +133,8 @@ def run_chain(preset: str, root: str, probes: recipe_probes.Probes | None = None
   def probe(name: str, workdir: str | None) -> dict:
     """{"probes", "probe_s"} of stage `name`'s model with the params of `workdir` (None: fresh)."""
     start, cfg = time.time(), k25_model_config(name, configs)
-    return {"probes": probes(cfg, k25_params(cfg, workdir, mesh), mesh), "probe_s": time.time() - start}
+    rest_from = os.path.join(root, "joint_rl") if name == "parl" else None
+    return {"probes": probes(cfg, k25_params(cfg, workdir, mesh, rest_from), mesh), "probe_s": time.time() - start}
 
   rows, times, previous = {}, {}, None
   if probes is not None:
@@ -182,7 +192,7 @@ def changes(rows: dict[str, dict]) -> tuple[list[dict], list[dict]]:
 
 def markdown(result: dict) -> str:
   rows, times = result["rows"], result["time_s"]
-  columns = recipe_probes.PROBES + ("tool_calls",)
+  columns = recipe_probes.PROBES + recipe_probes.EXTRAS
   lines = ["| after | " + " | ".join(columns) + " | stage min | probe min |",
            "|---" * (len(columns) + 3) + "|"]
   for name, r in rows.items():
@@ -226,7 +236,7 @@ def main():
                       help="override a stage's config field, e.g. --set sft.optimizer.name=adamw (repeatable)")
   args = parser.parse_args()
   configs = stage_configs(args.preset, tuple(args.set))
-  probes = recipe_probes.Probes(configs["sft"], tasks=args.probe_tasks)
+  probes = recipe_probes.Probes(configs["sft"], configs["parl"], tasks=args.probe_tasks)
   start = time.time()
   result = run_chain(args.preset, args.root, probes, tuple(args.set))
   result.update(preset=args.preset, overrides=args.set, trains=TRAINS, wall_s=time.time() - start,

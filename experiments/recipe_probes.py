@@ -15,6 +15,9 @@ K2.5 model after every stage.
     image_tool     greedy accuracy on held-out image tasks, the image in the prompt and the
                    sandboxed Python tool available (the SFT stage's `image_tool` setting)
     tool_calls     calls per image_tool episode, and tool_call_success, the share that ran
+    parl_item_f1   greedy Item-F1 of held-out wide-search tasks (PARL's task mix, its eval seed)
+                   played in the chat format by the decoder as orchestrator and sub-agents
+    parl_subagents sub-agents created per wide episode there
 
 Text and vision rows come from `k25jax.data.mixture` with the byte tokenizer with media
 tokens (the ids of the chat tokenizer below 263); the rollouts use the chat tokenizer.
@@ -27,11 +30,12 @@ import ml_collections
 from k25jax.agents import tool_rollout
 from k25jax.data import chat, mixture, sources, tokenizer
 from k25jax.model import k25
-from k25jax.stages import sft
+from k25jax.stages import parl, sft
 from k25jax.train import multimodal, objective
 
 PROBES = ("text_loss", "long_text_loss", "caption_loss", "count_loss", "caption_exact", "count_exact", "arithmetic",
-          "image_tool")
+          "image_tool", "parl_item_f1")
+EXTRAS = ("tool_calls", "parl_subagents")   # in the table, not probes a stage must raise
 LOSSES = PROBES[:4]     # lower is better
 VISION_SEED = 99991        # the held-out vision samples' stream (the stages draw train.seed, +1)
 TEXT_SOURCE, TEXT_EVAL_EVERY, TEXT_MAX_CHARS, LONG_MAX_CHARS = "python_stdlib", 50, 1000, 8000
@@ -40,7 +44,8 @@ TEXT_SOURCE, TEXT_EVAL_EVERY, TEXT_MAX_CHARS, LONG_MAX_CHARS = "python_stdlib", 
 class Probes:
   """The held-out data, made once; `__call__(model_cfg, params, mesh)` measures one model."""
 
-  def __init__(self, sft_config: ml_collections.ConfigDict, *, rows: int = 8, seq_len: int = 128,
+  def __init__(self, sft_config: ml_collections.ConfigDict, parl_config: ml_collections.ConfigDict, *,
+               rows: int = 8, seq_len: int = 128,
                text_batches: int = 4, vision_batches: int = 4, max_patches: int = 512, tasks: int = 32,
                long_rows: int = 2, long_seq_len: int = 1024, long_batches: int = 2):
     byte_tok = tokenizer.ByteTokenizer(media=True)
@@ -64,6 +69,8 @@ class Probes:
     sums = sft.arithmetic_examples(self.sft_config, self.chat)
     self.arithmetic = sft.held_out_arithmetic(self.sft_config,
                                               set(zip(sums["a"].tolist(), sums["b"].tolist())))[:tasks]
+    self.parl_config = parl_config
+    self.parl_tasks = parl.sample_tasks(parl_config, tasks, parl_config.parl.eval_seed)
 
   def __call__(self, model_cfg, params, mesh: jax.sharding.Mesh) -> dict[str, float]:
     """Every probe of the K2.5 model `model_cfg` with `params` (sharded over `mesh`)."""
@@ -86,8 +93,12 @@ class Probes:
           out[f"{name}_exact"] = m["answer_exact"]
       with tool_rollout.sandbox_pool(self.sft_config.sandbox) as pool:
         rollouts = sft.evaluate(self.sft_config, model_cfg, params, self.chat, pool, self.arithmetic)
+      decoder = params[k25.LANGUAGE_MODEL]
+      swarm, _, _ = parl.play(self.parl_config, model_cfg.text, decoder, decoder, self.parl_tasks, greedy=True)
+    swarm = parl.summarize(swarm, 0.0)
     out["arithmetic"] = rollouts["arithmetic"]["accuracy"]
     image = rollouts["image_tool"]
     out.update(image_tool=image["accuracy"], tool_calls=image["calls_per_episode"],
-               tool_call_success=image["tool_call_success"])
+               tool_call_success=image["tool_call_success"], parl_item_f1=swarm["item_f1"],
+               parl_subagents=swarm.get("wide/num_created", 0.0))
     return out
