@@ -13,17 +13,21 @@ Per iteration t, for P tasks x (wide tasks of 2..24 entities and deep chains) an
     θ       ← θ − η ∇ L_K2.5(θ) over the ORCHESTRATOR's generated tokens only; sub-agent
                tokens are observations to it and never enter the loss.
 
-The iterations, advantages and updates are `k25jax.rl.driver`'s. Sub-agents are frozen
-copies of a fixed checkpoint (`parl.subagent_checkpoint`); the orchestrator starts from
-`init.checkpoint`. Without them (the tiny default) the stage first trains one model by
-SFT on scripted demonstrations of both roles run through the real budgeted environment
-(the built-in warm start, under workdir/warm_start), and uses it for both. Its
+The iterations, advantages and updates are `k25jax.rl.driver`'s. Every agent reads and
+writes the episode in `parl.rendering` (`widesearch.rendering`: the DSL's 91 ids, or the
+K2.5 chat format over the chat tokenizer). Sub-agents are frozen copies of a fixed
+checkpoint (`parl.subagent_checkpoint`); the orchestrator starts from `init.checkpoint`.
+Without them (the tiny default) the stage first trains one model by SFT on scripted
+demonstrations of both roles run through the real budgeted environment (the built-in
+warm start, under workdir/warm_start), and uses it for both; `warm_start.after_init`
+trains that warm start from `init.checkpoint` instead of a fresh init (a model that has
+not seen the protocol, e.g. the recipe's after joint RL). Its
 orchestrator starts in serial collapse: the demonstrations solve tasks alone, with
 create/assign shown with a random split in a small share (`widesearch.demonstrations`), so
 the preference for parallelism the trained swarm shows comes from RL. The summary
 compares, by task width, the trained swarm, the warm start as a swarm and the single
-agent (the warm-start model with `create`/`assign` removed from its vocabulary) on
-held-out tasks.
+agent (the warm-start model with `create`/`assign` removed from its vocabulary; the DSL
+rendering only, where each is one id) on held-out tasks.
 """
 from __future__ import annotations
 
