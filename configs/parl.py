@@ -35,7 +35,8 @@ TINY_MODEL = dict(vocab_size=DSL_VOCAB_SIZE, hidden_size=96, intermediate_size=2
                   num_hidden_layers=3, num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2,
                   q_lora_rank=48, kv_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
                   max_position_embeddings=192)
-# The chat rendering's contexts: a budget-16 demonstration is at most ~520 ids, a turn 88.
+# The chat rendering's contexts (`ChatRendering.max_context`): a budget-16 demonstration is
+# at most ~520 ids, a turn 88.
 CHAT_MODEL = dict(common.TINY_CHAT_TEXT, max_position_embeddings=640)
 
 

@@ -134,3 +134,10 @@ def test_make_names_the_renderings():
   assert ws.rendering.make("chat").vocab_size == chat.ChatTokenizer().vocab_size == 268
   with pytest.raises(ValueError, match="choose one of"):
     ws.rendering.make("bpe")
+
+
+@pytest.mark.parametrize("rendering", [ws.DSLRendering(), CHAT], ids=["dsl", "chat"])
+def test_the_longest_demonstrations_fit_the_renderings_max_context(rendering):
+  demos = ws.demonstrations(60, 2, rendering=rendering, max_length=rendering.max_context, budget_range=(16, 16),
+                            n_range=(20, 24), deep_fraction=0.25, delegation_share=0.5)
+  assert demos["length"].max() > rendering.max_context // 2

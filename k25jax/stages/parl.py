@@ -154,9 +154,7 @@ def builtin_warm_start(config, model, mesh, workdir: str, init_params=None):
   of both roles (`warm_start`), from `init_params` (default a fresh init), trained (or
   resumed) under workdir/warm_start."""
   ws, p, r = config.warm_start, config.parl, rendering(config)
-  max_length = model.cfg.max_position_embeddings
-  if r.name == "dsl":
-    max_length = min(widesearch.MAX_CONTEXT, max_length)
+  max_length = min(r.max_context, model.cfg.max_position_embeddings)
   demos = widesearch.demonstrations(ws.demonstrations, ws.seed, deep_fraction=p.deep_fraction,
                                     delegation_share=ws.delegation_share, subagent_rows=ws.subagent_rows,
                                     capability_share=ws.capability_share, budget_range=tuple(ws.budget_range),

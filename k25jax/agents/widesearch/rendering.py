@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 from k25jax.agents import dsl
+from k25jax.agents.widesearch.tasks import MAX_CONTEXT
 from k25jax.data import chat
 
 NAMES = ("dsl", "chat")
@@ -39,13 +40,15 @@ NAMES = ("dsl", "chat")
 
 class Rendering(Protocol):
   """name, vocab_size, pad_id, stop_id (the id that ends a generated turn), markers (ids a
-  turn carries that are no word of its text), and:"""
+  turn carries that are no word of its text), max_context (ids an agent context can reach:
+  a wide task of 24 entities or a budget of 16), and:"""
 
   name: str
   vocab_size: int
   pad_id: int
   stop_id: int
   markers: frozenset[int]
+  max_context: int
 
   def prompt(self, block: Sequence[int]) -> list[int]:
     """A context's first block (DSL ids ending with `|`) as the model reads it, up to its first turn."""
@@ -78,6 +81,7 @@ class DSLRendering:
   pad_id = dsl.PAD_ID
   stop_id = dsl.EOT_ID
   markers = frozenset()
+  max_context = MAX_CONTEXT
 
   def prompt(self, block):
     return [int(t) for t in block]
@@ -98,6 +102,7 @@ class ChatRendering:
   """The K2.5 chat format (module docstring) over `tokenizer` (default: bytes + media + roles)."""
 
   name = "chat"
+  max_context = 640   # the longest scripted context seen is ~520 ids (budget 16), a turn at most 80
 
   def __init__(self, tokenizer: chat.ChatTokenizer | None = None):
     self.tok = tokenizer if tokenizer is not None else chat.ChatTokenizer()
