@@ -27,7 +27,8 @@ what to find and how many critical steps it may take; whether to split is its ca
 
 `obs` opens an observation, `err` reports a failed call (followed by the tool it was,
 when known), `stop` says the critical-step budget is spent: the next turn must answer.
-`_` (id 0) pads batches and never appears inside a context. The role token doubles
+`_` (id 0) pads batches and never appears inside a DSL context (in the chat rendering, a
+word of a model's turn that is no DSL token reads as `_`: `widesearch.rendering`). The role token doubles
 as the begin marker; the vocabulary has no separator because every tool token opens a
 call (see `tools.py`).
 
