@@ -91,9 +91,9 @@ def shrink(configs: dict[str, ml_collections.ConfigDict]) -> None:
   r.toggle.enabled = False
   r.sandbox.sessions = 4
   p = configs["parl"]
-  p.warm_start.update(demonstrations=16, steps=2, batch=4, log_every=1, checkpoint_every=2)
+  p.warm_start.update(demonstrations=16, steps=2, batch=8, log_every=1, checkpoint_every=2)
   p.warm_start.optimizer.update(warmup_steps=1, decay_steps=1)
-  p.rl.update(prompts_per_iteration=2, num_generations=2, minibatches=1)
+  p.rl.update(prompts_per_iteration=2, num_generations=4, minibatches=1)
   p.parl.update(eval_tasks=2, n_range=(2, 6), hops_range=(4, 5), budget_range=(3, 5), anneal_steps=1,
                 orchestrator_turn_tokens=40, subagent_turn_tokens=20)
   p.train.update(steps=1, eval_every=1, log_every=1, checkpoint_every=1)
