@@ -7,11 +7,13 @@ each starting from the previous one's workdir (`init`), and probes the model aft
     vit             configs/vit.py                    MoonViT-3D + projector, the decoder frozen
     joint_pretrain  configs/pretrain.py:joint         10:90 vision:text tokens
     midtrain        configs/midtrain.py               long rows with YaRN
-    sft             configs/sft.py:tiny,arithmetic    zero-vision SFT (+ addition chats)
+    sft             configs/sft.py:tiny,arithmetic    zero-vision SFT (+ addition chats, + 3,000 rows of
+                                                      the text pre-training's documents: replay)
     joint_rl        configs/rl.py:joint,toggle        RL on text and image tasks by ability, Toggle on
     parl            configs/parl.py:tiny,chat         the agent swarm in the chat format: the decoder
                                                       fine-tuned on the scripted demonstrations
-                                                      (warm_start.after_init), then PARL
+                                                      (warm_start.after_init, 200 steps), then 24
+                                                      PARL iterations (the stand-alone run has 80)
 
 The model is the tiny K2.5 chat model of configs/sft.py (`common.TINY_CHAT_TEXT`: 268 ids,
 hidden 128, 2 layers; the tiny MoonViT-3D): the byte tokenizer with media tokens of the
@@ -58,7 +60,11 @@ def stage_configs(preset: str) -> dict[str, ml_collections.ConfigDict]:
     c.model = model_section(name in K25_STAGES, preset)
     c.init.checkpoint = ""
     c.optimizer.name = "muonclip"     # as in the paper: text pre-training's default is AdamW
-  configs["parl"].warm_start.after_init = True   # the demonstrations fine-tune the chain's model
+  configs["sft"].data.text_replay = 3000    # pre-training text in SFT's rows, against forgetting it
+  p = configs["parl"]
+  p.warm_start.update(after_init=True, steps=200)   # the demonstrations fine-tune the chain's model
+  p.train.update(steps=24, eval_every=24, checkpoint_every=24)   # of configs/parl.py:tiny,chat's 80,
+  p.parl.anneal_steps = 12                                       # the λ anneal at half, as there
   text = configs["text_pretrain"].model
   configs["midtrain"].long_context.original_context = text.max_position_embeddings
   if preset == "test":
@@ -79,7 +85,7 @@ def shrink(configs: dict[str, ml_collections.ConfigDict]) -> None:
   mid.long_context.original_context = 128
   mid.data.update(max_doc_chars=1000, max_patches=256)
   s = configs["sft"]
-  s.data.update(trajectories=32, arithmetic_examples=32)
+  s.data.update(trajectories=32, arithmetic_examples=32, text_replay=8)
   s.train.update(steps=2, batch=8, log_every=1, checkpoint_every=2)
   s.sandbox.sessions = 4
   s.eval.update(tasks=2, max_turns=1, max_context=320, turn_tokens=8, settings="text_tool")

@@ -3,6 +3,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 from config_files import load_config
 
 from k25jax.data import chat, image_tasks, zero_vision
@@ -88,3 +89,24 @@ def test_run_with_arithmetic_evaluates_held_out_sums(tmp_path):
     results = json.load(f)
   assert set(results) == {"text_tool", "arithmetic"}
   assert 0.0 <= results["arithmetic"]["accuracy"] <= 1.0 and "addition/accuracy" in results["arithmetic"]
+
+
+def test_text_replay_rows_are_pre_training_text_with_the_loss_on_every_token():
+  from k25jax.data import sources
+  config = load_config("configs/sft.py")
+  config.data.update(text_replay=40, max_length=64)
+  tok = chat.ChatTokenizer()
+  rows = sft.text_replay(config, tok)
+  assert rows["tokens"].shape == rows["loss_mask"].shape == (40, 64)
+  train, held_out = sources.split(sources.load(sft.REPLAY_SOURCE, sft.REPLAY_MAX_CHARS), sft.REPLAY_EVAL_EVERY)
+  train_text, held_text = "\n".join(train), set(held_out)
+  for tokens, mask, n in zip(rows["tokens"], rows["loss_mask"], rows["length"]):
+    assert tokens[0] == tok.bos_id and (tokens[n:] == tok.pad_id).all()
+    np.testing.assert_array_equal(mask, (np.arange(64) >= 1) & (np.arange(64) < n))
+    text = tok.decode(tokens[1:n])
+    assert text in train_text and not any(text in d for d in held_text if len(d) > 200 and len(text) > 60)
+  again = sft.text_replay(config, tok)
+  np.testing.assert_array_equal(again["tokens"], rows["tokens"])
+  config.data.text_replay = 10**7
+  with pytest.raises(ValueError, match="data.text_replay=10000000"):
+    sft.text_replay(config, tok)

@@ -4,6 +4,8 @@
                                           outputs → answer; loss mask 1 on the assistant's tokens
            (+ data.visual_sft: image + question → direct answer, the text+vision comparison)
            (+ data.arithmetic_examples: 2-digit addition conversations, the text ability of joint RL)
+           (+ data.text_replay: rows of the pre-training text, the loss on every token: replay
+            against forgetting what pre-training taught)
     θ_0    = init.checkpoint's K2.5 params (e.g. the joint pre-training's), or a fresh init
     θ      ← SFT:  L = Σ_t w_t CE(x_{t+1}) / Σ_t w_t   over packed rows (k25jax.data.packing)
     eval   = multi-turn rollouts with the real sandbox on held-out tasks (k25jax.agents.tool_rollout):
@@ -27,7 +29,7 @@ import numpy as np
 from absl import logging
 
 from k25jax.agents import tool_rollout
-from k25jax.data import chat, image_tasks, packing, zero_vision
+from k25jax.data import chat, image_tasks, packing, sources, zero_vision
 from k25jax.data import vision as vision_data
 from k25jax.model import k25
 from k25jax.model.config import K25Config
@@ -84,6 +86,32 @@ def arithmetic_examples(config, tok: chat.ChatTokenizer) -> dict[str, np.ndarray
   pad = lambda x, value: np.pad(x, ((0, 0), (0, d.max_length - width)), constant_values=value)
   return {"tokens": pad(demos["tokens"], tok.pad_id), "loss_mask": pad(demos["completion_mask"], 0.0),
           "length": demos["length"], "a": demos["a"], "b": demos["b"]}
+
+
+REPLAY_SOURCE, REPLAY_MAX_CHARS, REPLAY_EVAL_EVERY = "python_stdlib", 1000, 50   # configs/pretrain.py:tiny's text
+
+
+def text_replay(config, tok: chat.ChatTokenizer) -> dict[str, np.ndarray]:
+  """data.text_replay rows of pre-training text: the training documents of the text
+  pre-training stage (every 50th held out, as there and in the recipe's probes), shuffled
+  by data.seed, cut into pieces of data.max_length − 1 bytes, each `BOS piece` with the
+  loss on every token after BOS, right-padded to data.max_length. Raises ValueError when
+  the documents give fewer pieces than asked."""
+  d = config.data
+  docs, _ = sources.split(sources.load(REPLAY_SOURCE, REPLAY_MAX_CHARS), REPLAY_EVAL_EVERY)
+  order = np.random.default_rng(d.seed).permutation(len(docs))
+  piece = d.max_length - 1
+  rows = [ids[i:i + piece] for j in order for ids in [tok.encode(docs[j])] for i in range(0, len(ids), piece)]
+  if len(rows) < d.text_replay:
+    raise ValueError(f"data.text_replay={d.text_replay}: the pre-training text gives {len(rows)} rows")
+  tokens = np.full((d.text_replay, d.max_length), tok.pad_id, np.int32)
+  loss_mask = np.zeros((d.text_replay, d.max_length), np.float32)
+  lengths = np.zeros(d.text_replay, np.int32)
+  for r, ids in enumerate(rows[:d.text_replay]):
+    tokens[r, :len(ids) + 1] = [tok.bos_id, *ids]
+    loss_mask[r, 1:len(ids) + 1] = 1.0
+    lengths[r] = len(ids) + 1
+  return {"tokens": tokens, "loss_mask": loss_mask, "length": lengths}
 
 
 def held_out_arithmetic(config, seen: set) -> list[rl_tasks.ArithmeticTask]:
@@ -225,6 +253,9 @@ def run(config: ml_collections.ConfigDict, workdir: str):
       sums = arithmetic_examples(config, tok)
       text = {name: np.concatenate([text[name], sums[name]]) for name in ("tokens", "loss_mask", "length")}
       arithmetic = held_out_arithmetic(config, set(zip(sums["a"].tolist(), sums["b"].tolist())))
+    if config.data.text_replay:
+      replay = text_replay(config, tok)
+      text = {name: np.concatenate([text[name], replay[name]]) for name in ("tokens", "loss_mask", "length")}
     visual = visual_examples(config, tok) if config.data.visual_sft else None
     batches = Batches(config, model.cfg, text, visual)
     logging.info("sft: %d conversations (%.0f tokens each, %.0f under the loss) in %d packed rows%s",
