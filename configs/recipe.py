@@ -7,8 +7,9 @@ each starting from the previous one's workdir (`init`), and probes the model aft
     vit             configs/vit.py                    MoonViT-3D + projector, the decoder frozen
     joint_pretrain  configs/pretrain.py:joint         10:90 vision:text tokens
     midtrain        configs/midtrain.py               long rows with YaRN
-    sft             configs/sft.py:tiny,arithmetic    zero-vision SFT (+ addition chats, + 3,000 rows of
-                                                      the text pre-training's documents: replay)
+    sft             configs/sft.py:tiny,arithmetic    zero-vision SFT (+ 6,000 addition chats; replay of
+                                                      pre-training: 500 rows of its text, 3,000 joint
+                                                      pre-training image samples; no SFT data with images)
     joint_rl        configs/rl.py:joint,toggle        RL on text and image tasks by ability, Toggle on
     parl            configs/parl.py:tiny,chat         the agent swarm in the chat format: the decoder
                                                       fine-tuned on the scripted demonstrations
@@ -60,7 +61,12 @@ def stage_configs(preset: str) -> dict[str, ml_collections.ConfigDict]:
     c.model = model_section(name in K25_STAGES, preset)
     c.init.checkpoint = ""
     c.optimizer.name = "muonclip"     # as in the paper: text pre-training's default is AdamW
-  configs["sft"].data.text_replay = 3000    # pre-training text in SFT's rows, against forgetting it
+  s = configs["sft"]
+  # Against forgetting pre-training: 500 rows of its text and 3,000 of joint pre-training's image
+  # samples (4 rows a step beside the 16 of SFT data); twice the addition chats, so that
+  # addition keeps its share of the rows beside the replay.
+  s.data.update(text_replay=500, vision_replay=3000, arithmetic_examples=6000)
+  s.train.visual_batch = 4
   p = configs["parl"]
   p.warm_start.update(after_init=True, steps=200)   # the demonstrations fine-tune the chain's model
   p.train.update(steps=24, eval_every=24, checkpoint_every=24)   # of configs/parl.py:tiny,chat's 80,
@@ -85,8 +91,8 @@ def shrink(configs: dict[str, ml_collections.ConfigDict]) -> None:
   mid.long_context.original_context = 128
   mid.data.update(max_doc_chars=1000, max_patches=256)
   s = configs["sft"]
-  s.data.update(trajectories=32, arithmetic_examples=32, text_replay=8)
-  s.train.update(steps=2, batch=8, log_every=1, checkpoint_every=2)
+  s.data.update(trajectories=32, arithmetic_examples=32, text_replay=8, vision_replay=32)
+  s.train.update(steps=2, batch=8, visual_batch=8, log_every=1, checkpoint_every=2)
   s.sandbox.sessions = 4
   s.eval.update(tasks=2, max_turns=1, max_context=320, turn_tokens=8, settings="text_tool")
   r = configs["joint_rl"]

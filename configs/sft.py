@@ -36,7 +36,8 @@ def get_config(arg=None):
       visual_sft="visual" in switches,     # add image + question → answer examples (text+vision SFT)
       visual_examples=3000,
       arithmetic_examples=3000 if "arithmetic" in switches else 0,   # 2-digit addition chats (joint RL's text)
-      text_replay=0))   # rows of pre-training text (loss on every token) mixed in against forgetting
+      text_replay=0,    # rows of pre-training text (loss on every token) mixed in against forgetting
+      vision_replay=0))  # joint pre-training image samples (loss on the answer), in train.visual_batch rows
 
   c.train = ml_collections.ConfigDict(dict(
       steps=1000, batch=16, visual_batch=8, seed=0, log_every=50, checkpoint_every=200, keep_checkpoints=2,

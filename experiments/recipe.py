@@ -147,7 +147,8 @@ def run_chain(preset: str, root: str, probes: recipe_probes.Probes | None = None
     if finished:
       with open(record) as f:
         done = json.load(f)
-      stale = probes is not None and set(recipe_probes.PROBES) - set(done.get("probes", {}))   # probes added since
+      measured = set(done.get("probes", {}))
+      stale = probes is not None and set(recipe_probes.PROBES + recipe_probes.EXTRAS) - measured   # added since
     else:
       config = configs[name]
       if previous is not None:
@@ -173,16 +174,23 @@ def gain(probe: str, before: float, after: float) -> float:
   return before - after if probe in LOWER_IS_BETTER else after - before
 
 
+def at_ceiling(probe: str, before: float, after: float) -> bool:
+  """An accuracy probe that was already 1 and stayed 1: nothing left to improve."""
+  return probe not in LOWER_IS_BETTER and before >= 1.0 and after >= 1.0
+
+
 def changes(rows: dict[str, dict]) -> tuple[list[dict], list[dict]]:
-  """(each stage's change on the probes it trains, over the row before it; forgetting: every
-  drop, by a stage that does not train it, of a probe earlier stages had raised above the first row)."""
+  """(each stage's change on the probes it trains, over the row before it: improved, or kept at
+  its ceiling; forgetting: every drop, by a stage that does not train it, of a probe earlier
+  stages had raised above the first row)."""
   names = list(rows)
   trained, forgetting = [], []
   for i, name in enumerate(names[1:], start=1):
     first, before, after = rows[names[0]], rows[names[i - 1]], rows[name]
     for probe in TRAINS[name]:
       trained.append(dict(stage=name, probe=probe, before=before[probe], after=after[probe],
-                          improved=gain(probe, before[probe], after[probe]) > 0))
+                          improved=gain(probe, before[probe], after[probe]) > 0,
+                          at_ceiling=at_ceiling(probe, before[probe], after[probe])))
     for probe in recipe_probes.PROBES:
       learnt = gain(probe, first[probe], before[probe]) > 0
       if probe not in TRAINS[name] and learnt and gain(probe, before[probe], after[probe]) < 0:
@@ -202,8 +210,8 @@ def markdown(result: dict) -> str:
                  f"{t.get('probe_s', 0) / 60:.1f} |")
   trained, forgetting = changes(rows)
   lines += ["", "Each stage on the probes it trains (against the row before it):", ""]
-  lines += [f"* {c['stage']}: {c['probe']} {c['before']:.3f} → {c['after']:.3f} "
-            f"({'better' if c['improved'] else 'NOT better'})" for c in trained]
+  verdict = lambda c: "better" if c["improved"] else "kept at its ceiling" if c["at_ceiling"] else "NOT better"
+  lines += [f"* {c['stage']}: {c['probe']} {c['before']:.3f} → {c['after']:.3f} ({verdict(c)})" for c in trained]
   lines += ["", "Forgetting (a stage lowers a probe that earlier stages had raised, and it does not train):", ""]
   lines += [f"* {f['stage']}: {f['probe']} {f['before']:.3f} → {f['after']:.3f}" for f in forgetting] or ["* none"]
   total = sum(t.get("stage_s", 0) + t.get("probe_s", 0) for t in times.values())

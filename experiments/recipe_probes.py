@@ -15,6 +15,8 @@ K2.5 model after every stage.
     image_tool     greedy accuracy on held-out image tasks, the image in the prompt and the
                    sandboxed Python tool available (the SFT stage's `image_tool` setting)
     tool_calls     calls per image_tool episode, and tool_call_success, the share that ran
+    arithmetic_tokens, image_tool_tokens   generated tokens per episode of those two probes
+                   (what Toggle shortens)
     parl_item_f1   greedy Item-F1 of held-out wide-search tasks (PARL's task mix, its eval seed)
                    played in the chat format by the decoder as orchestrator and sub-agents
     parl_subagents sub-agents created per wide episode there
@@ -35,7 +37,8 @@ from k25jax.train import multimodal, objective
 
 PROBES = ("text_loss", "long_text_loss", "caption_loss", "count_loss", "caption_exact", "count_exact", "arithmetic",
           "image_tool", "parl_item_f1")
-EXTRAS = ("tool_calls", "parl_subagents")   # in the table, not probes a stage must raise
+EXTRAS = ("tool_calls", "arithmetic_tokens", "image_tool_tokens", "parl_subagents")   # in the table, not
+                                                                                     # probes a stage must raise
 LOSSES = PROBES[:4]     # lower is better
 VISION_SEED = 99991        # the held-out vision samples' stream (the stages draw train.seed, +1)
 TEXT_SOURCE, TEXT_EVAL_EVERY, TEXT_MAX_CHARS, LONG_MAX_CHARS = "python_stdlib", 50, 1000, 8000
@@ -96,9 +99,11 @@ class Probes:
       decoder = params[k25.LANGUAGE_MODEL]
       swarm, _, _ = parl.play(self.parl_config, model_cfg.text, decoder, decoder, self.parl_tasks, greedy=True)
     swarm = parl.summarize(swarm, 0.0)
-    out["arithmetic"] = rollouts["arithmetic"]["accuracy"]
+    out.update(arithmetic=rollouts["arithmetic"]["accuracy"],
+               arithmetic_tokens=rollouts["arithmetic"]["generated_tokens"])
     image = rollouts["image_tool"]
-    out.update(image_tool=image["accuracy"], tool_calls=image["calls_per_episode"],
+    out.update(image_tool=image["accuracy"], image_tool_tokens=image["generated_tokens"],
+               tool_calls=image["calls_per_episode"],
                tool_call_success=image["tool_call_success"], parl_item_f1=swarm["item_f1"],
                parl_subagents=swarm.get("wide/num_created", 0.0))
     return out

@@ -144,6 +144,17 @@ def test_the_probes_measure_a_chained_model(chain):
   mesh = sharding.make_mesh({"data": -1})
   cfg = recipe.k25_model_config("joint_rl", configs)
   out = probes(cfg, recipe.k25_params(cfg, workdirs["joint_rl"], mesh), mesh)
-  assert set(recipe_probes.PROBES) <= set(out)
+  assert set(recipe_probes.PROBES + recipe_probes.EXTRAS) <= set(out)
   assert all(0.0 <= out[p] <= 1.0 for p in recipe_probes.PROBES if p not in recipe_probes.LOSSES)
   assert all(0 < out[p] < np.log(cfg.text.vocab_size) + 1 for p in recipe_probes.LOSSES)
+
+
+def test_the_report_says_what_each_stage_gained_kept_at_its_ceiling_or_forgot():
+  fresh = {p: 5.0 if p in recipe_probes.LOSSES else 0.0 for p in recipe_probes.PROBES}
+  rows = {"init": fresh, "sft": {**fresh, "text_loss": 2.0, "arithmetic": 1.0, "image_tool": 0.3},
+          "joint_rl": {**fresh, "text_loss": 3.0, "arithmetic": 1.0, "image_tool": 0.2}}
+  trained, forgetting = recipe.changes(rows)
+  verdicts = {(c["stage"], c["probe"]): (c["improved"], c["at_ceiling"]) for c in trained}
+  assert verdicts == {("sft", "arithmetic"): (True, False), ("sft", "image_tool"): (True, False),
+                      ("joint_rl", "arithmetic"): (False, True), ("joint_rl", "image_tool"): (False, False)}
+  assert [(f["stage"], f["probe"]) for f in forgetting] == [("joint_rl", "text_loss")]

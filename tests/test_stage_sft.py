@@ -110,3 +110,25 @@ def test_text_replay_rows_are_pre_training_text_with_the_loss_on_every_token():
   config.data.text_replay = 10**7
   with pytest.raises(ValueError, match="data.text_replay=10000000"):
     sft.text_replay(config, tok)
+
+
+def test_vision_replay_rows_are_joint_pre_training_samples_with_the_loss_on_the_answer():
+  from k25jax.data import visual_synthetic
+  config = _small(load_config("configs/sft.py", "tiny,visual"))
+  config.data.update(visual_examples=4, vision_replay=12)
+  tok = chat.ChatTokenizer()
+  data, items = sft.vision_replay(config, tok)
+  assert data["tokens"].shape == data["loss_mask"].shape and len(items) == 12
+  for i, (tokens, mask, n, item) in enumerate(zip(data["tokens"], data["loss_mask"], data["length"], items)):
+    ex = visual_synthetic.example(i, config.data.seed, sft.REPLAY_VISION_TASKS)
+    assert tok.decode(tokens[mask == 1]) == ex.answer + tok.decode([tok.eos_id])   # the answer and EOS alone
+    assert tokens[0] == tok.bos_id and (tokens[n:] == tok.pad_id).all()
+    assert (tokens == tok.media.pad).sum() == item.num_tokens
+  assert {visual_synthetic.example(i, 0, sft.REPLAY_VISION_TASKS).task for i in range(12)} == set(
+      sft.REPLAY_VISION_TASKS)
+  both, both_items = sft.image_rows(config, tok)   # visual SFT examples first, then the replay
+  assert len(both["tokens"]) == len(both_items) == 16 and all(
+      (a.pixel_values == b.pixel_values).all() for a, b in zip(both_items[4:], items))
+  np.testing.assert_array_equal(both["loss_mask"][4:, :data["tokens"].shape[1]], data["loss_mask"])
+  config.data.update(visual_sft=False, vision_replay=0)
+  assert sft.image_rows(config, tok) is None

@@ -4,8 +4,9 @@
                                           outputs → answer; loss mask 1 on the assistant's tokens
            (+ data.visual_sft: image + question → direct answer, the text+vision comparison)
            (+ data.arithmetic_examples: 2-digit addition conversations, the text ability of joint RL)
-           (+ data.text_replay: rows of the pre-training text, the loss on every token: replay
-            against forgetting what pre-training taught)
+           (+ data.text_replay: rows of the pre-training text, the loss on every token, and
+            data.vision_replay: the joint pre-training's image samples, the loss on their
+            answers: replay against forgetting what pre-training taught; no SFT data with images)
     θ_0    = init.checkpoint's K2.5 params (e.g. the joint pre-training's), or a fresh init
     θ      ← SFT:  L = Σ_t w_t CE(x_{t+1}) / Σ_t w_t   over packed rows (k25jax.data.packing)
     eval   = multi-turn rollouts with the real sandbox on held-out tasks (k25jax.agents.tool_rollout):
@@ -13,7 +14,7 @@
              prompt, with and without the tool: tool-call success rate and answer accuracy;
              with arithmetic examples, greedy accuracy on held-out sums (operands no example had)
 
-The model is the K2.5 model; without visual data only the language model gets gradients.
+The model is the K2.5 model; without rows with an image only the language model gets gradients.
 Trajectories are generated once and kept in the workdir (`sft_data_<fingerprint>.npz`),
 so a resumed run trains on the same data in the same order.
 """
@@ -29,7 +30,7 @@ import numpy as np
 from absl import logging
 
 from k25jax.agents import tool_rollout
-from k25jax.data import chat, image_tasks, packing, sources, zero_vision
+from k25jax.data import chat, image_tasks, packing, sources, visual_synthetic, zero_vision
 from k25jax.data import vision as vision_data
 from k25jax.model import k25
 from k25jax.model.config import K25Config
@@ -114,14 +115,51 @@ def text_replay(config, tok: chat.ChatTokenizer) -> dict[str, np.ndarray]:
   return {"tokens": tokens, "loss_mask": loss_mask, "length": lengths}
 
 
+# The joint pre-training's vision tasks of one image each (`visual_synthetic`; its video task
+# `motion` is left out: a replayed conversation carries one media item).
+REPLAY_VISION_TASKS = ("caption", "count", "read", "chart")
+
+
+def vision_replay(config, tok: chat.ChatTokenizer) -> tuple[dict[str, np.ndarray], list[vision_data.Media]]:
+  """data.vision_replay samples of the joint pre-training's vision stream (`visual_synthetic`
+  stream data.seed, REPLAY_VISION_TASKS; the recipe's probes draw another stream): `BOS media
+  block prompt answer EOS`, the loss on the answer and EOS as in pre-training, right-padded
+  to the longest; and their images. Not SFT data: pre-training rows, replayed against forgetting."""
+  samples = [visual_synthetic.sample(i, config.data.seed, tok, REPLAY_VISION_TASKS)
+             for i in range(config.data.vision_replay)]
+  width = max(len(s) for s in samples)
+  tokens = np.full((len(samples), width), tok.pad_id, np.int32)
+  loss_mask = np.zeros((len(samples), width), np.float32)
+  for r, s in enumerate(samples):
+    tokens[r, :len(s)] = s.tokens
+    loss_mask[r, s.answer_start:len(s)] = 1.0
+  data = {"tokens": tokens, "loss_mask": loss_mask, "length": np.array([len(s) for s in samples], np.int32)}
+  return data, [s.media[0] for s in samples]
+
+
+def image_rows(config, tok: chat.ChatTokenizer) -> tuple[dict[str, np.ndarray], list[vision_data.Media]] | None:
+  """The conversations with an image (visual SFT examples, then vision replay samples), right-
+  padded to the longest of them, and their images; None when there are none."""
+  parts = ([visual_examples(config, tok)] if config.data.visual_sft else []) + (
+      [vision_replay(config, tok)] if config.data.vision_replay else [])
+  if not parts:
+    return None
+  width = max(data["tokens"].shape[1] for data, _ in parts)
+  pad = lambda x, value: np.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=value)
+  data = {"tokens": np.concatenate([pad(d["tokens"], tok.pad_id) for d, _ in parts]),
+          "loss_mask": np.concatenate([pad(d["loss_mask"], 0.0) for d, _ in parts]),
+          "length": np.concatenate([d["length"] for d, _ in parts])}
+  return data, [m for _, items in parts for m in items]
+
+
 def held_out_arithmetic(config, seen: set) -> list[rl_tasks.ArithmeticTask]:
   """eval.tasks addition tasks whose operands no demonstration had."""
   return rl_tasks.arithmetic_tasks(config.eval.tasks, config.eval.seed, frozenset(seen))
 
 
 class Batches:
-  """Per step, `train.batch` packed trajectory rows and (visual SFT) `train.visual_batch` rows
-  of `per_row` visual conversations each, drawn without replacement by a generator seeded
+  """Per step, `train.batch` packed trajectory rows and (visual SFT, vision replay) `train.visual_batch`
+  rows of `per_row` conversations with an image each, drawn without replacement by a generator seeded
   by (seed, step): a resumed run sees the same batches."""
 
   def __init__(self, config, model_cfg: K25Config, text: dict, visual=None):
@@ -136,8 +174,8 @@ class Batches:
       self.per_row = self.width // (data["tokens"].shape[1] - 1)
       rows = len(items) // self.per_row
       if rows < config.train.visual_batch:
-        raise ValueError(f"data.visual_examples={len(items)} fill {rows} rows of {self.per_row}, fewer than "
-                         f"train.visual_batch={config.train.visual_batch}")
+        raise ValueError(f"the {len(items)} conversations with an image (data.visual_examples, data.vision_replay) "
+                         f"fill {rows} rows of {self.per_row}, fewer than train.visual_batch={config.train.visual_batch}")
       self.visual = self._pack_visual(data, rows)
       self.items = items
 
@@ -256,11 +294,11 @@ def run(config: ml_collections.ConfigDict, workdir: str):
     if config.data.text_replay:
       replay = text_replay(config, tok)
       text = {name: np.concatenate([text[name], replay[name]]) for name in ("tokens", "loss_mask", "length")}
-    visual = visual_examples(config, tok) if config.data.visual_sft else None
+    visual = image_rows(config, tok)
     batches = Batches(config, model.cfg, text, visual)
     logging.info("sft: %d conversations (%.0f tokens each, %.0f under the loss) in %d packed rows%s",
                  len(text["tokens"]), text["length"].mean(), text["loss_mask"].sum(1).mean(),
-                 len(batches.text["inputs"]), f"; {len(visual[1])} visual examples" if visual is not None else "")
+                 len(batches.text["inputs"]), f"; {len(visual[1])} with an image" if visual is not None else "")
     state = trainer.start(config.init)
     loss_fn = objective.for_section(model, config.train)
     step = trainer.train_step(loss_fn, router_bias_rate=config.train.router_bias_rate,

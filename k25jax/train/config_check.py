@@ -61,7 +61,7 @@ RULES = {
         "memory_mb", "ns_steps", "original_context", "eval.tasks", "toggle.m")},
     **{name: NON_NEGATIVE_INT for name in (
         "eval_batches", "vision_eval_batches", "warmup_steps", "decay_steps", "seed", "eval_seed", "visual_batch",
-        "projector_only_from", "anneal_steps", "top_k", "subagent_rows", "text_replay")},
+        "projector_only_from", "anneal_steps", "top_k", "subagent_rows", "text_replay", "vision_replay")},
     **{name: POSITIVE for name in (
         "lr", "grad_clip", "rms_scale", "qk_clip_tau", "cpu_s", "wall_s", "beta_fast", "beta_slow", "optimizer.eps",
         "loss.eps", "eps_high", "tau")},
