@@ -14,7 +14,10 @@ direct answer) for the text+vision comparison. `--config.init.checkpoint=DIR` st
 from a K2.5 workdir of the same model (e.g. joint pre-training's). Switch `arithmetic`
 (`configs/sft.py:tiny,arithmetic`): adds 3,000 2-digit addition conversations in the chat
 format, the text ability of joint RL (`configs/rl.py:joint`), with a held-out arithmetic
-evaluation. The optimizer is MuonClip (`--config.optimizer.name=adamw` switches).
+evaluation. `data.text_replay` / `data.vision_replay` mix pre-training rows in against
+forgetting (text documents, loss on every token; joint pre-training image samples, loss on
+the answer, in `train.visual_batch` rows): the recipe's SFT uses both (configs/recipe.py).
+The optimizer is MuonClip (`--config.optimizer.name=adamw` switches).
 """
 import ml_collections
 
