@@ -222,13 +222,20 @@ def markdown(result: dict) -> str:
 def plot(result: dict, path: str) -> None:
   rows = result["rows"]
   names = list(rows)
-  columns = (len(recipe_probes.PROBES) + 1) // 2
+  columns = (len(recipe_probes.PROBES) + 2) // 2   # a panel a probe, and one for the episode lengths
   fig, axes = plt.subplots(2, columns, figsize=(4 * columns, 7))
   for ax, probe in zip(axes.flat, recipe_probes.PROBES):
     ax.plot(range(len(names)), [rows[n][probe] for n in names], marker="o")
     ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=8)
     ax.set_title(probe + (" (lower is better)" if probe in LOWER_IS_BETTER else ""), fontsize=9)
     ax.grid(alpha=0.3)
+  ax = axes.flat[len(recipe_probes.PROBES)]   # the spare panel: episode lengths
+  for extra in ("arithmetic_tokens", "image_tool_tokens"):
+    ax.plot(range(len(names)), [rows[n][extra] for n in names], marker="o", label=extra)
+  ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=8)
+  ax.set_title("generated tokens an episode (what Toggle shortens)", fontsize=9)
+  ax.legend(fontsize=7)
+  ax.grid(alpha=0.3)
   fig.suptitle("one tiny K2.5 model through the recipe: held-out probes after each stage")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
