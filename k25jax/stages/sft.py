@@ -121,10 +121,11 @@ REPLAY_VISION_TASKS = ("caption", "count", "read", "chart")
 
 
 def vision_replay(config, tok: chat.ChatTokenizer) -> tuple[dict[str, np.ndarray], list[vision_data.Media]]:
-  """data.vision_replay samples of the joint pre-training's vision stream (`visual_synthetic`
-  stream data.seed, REPLAY_VISION_TASKS; the recipe's probes draw another stream): `BOS media
-  block prompt answer EOS`, the loss on the answer and EOS as in pre-training, right-padded
-  to the longest; and their images. Not SFT data: pre-training rows, replayed against forgetting."""
+  """data.vision_replay samples of the joint pre-training's synthetic vision tasks, drawn as its
+  stream is (`visual_synthetic.sample`, seed data.seed) over REPLAY_VISION_TASKS (the recipe's
+  probes draw another seed): `BOS media block prompt answer EOS`, the loss on the answer and
+  EOS as in pre-training, right-padded to the longest; and their images. Not SFT data:
+  pre-training rows, replayed against forgetting."""
   samples = [visual_synthetic.sample(i, config.data.seed, tok, REPLAY_VISION_TASKS)
              for i in range(config.data.vision_replay)]
   width = max(len(s) for s in samples)
