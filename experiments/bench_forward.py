@@ -9,7 +9,8 @@ the reference configuration (BENCHMARKS.md), all from the same weights:
     transformers eager    the same model with the eager expert loop
     k25jax stage          the pretrain stage's own step (`pretrain.make_step`: next-token loss with
                           the z and balance terms, router-bias update, clipping, non-finite guards)
-    k25jax model          the bare model: cross-entropy, value_and_grad, AdamW
+    k25jax model          the bare model: cross-entropy (from the hidden states and the head,
+                          as the stage's objective), value_and_grad, AdamW
 
 Before anything is timed, every contender's first cross-entropy must equal transformers'
 (relative 1e-5): they compute the same thing. Then they are timed interleaved in each of
@@ -119,8 +120,8 @@ def model_step(cfg, params, tokens: np.ndarray):
   @jax.jit
   def train(p, opt_state):
     def loss_fn(p):
-      logits, _ = model.apply({"params": p}, batch["inputs"])
-      return losses.next_token_loss(logits, batch["targets"], batch["loss_mask"])[0]
+      _, aux = model.apply({"params": p}, batch["inputs"], return_hidden=True)
+      return losses.head_next_token_loss(aux["hidden"], p["lm_head"], batch["targets"], batch["loss_mask"])[0]
     loss, grads = jax.value_and_grad(loss_fn)(p)
     updates, opt_state = tx.update(grads, opt_state, p)
     return optax.apply_updates(p, updates), opt_state, loss
@@ -158,9 +159,8 @@ def part_closures(cfg, params, hf_model, tokens: np.ndarray) -> dict:
       fn(tx).backward(cott)
     return run
 
-  def head(p, x):
-    logits = layers.project(x, p)                  # as the model's LM head
-    return losses.next_token_loss(logits, targets["targets"], targets["loss_mask"])[0] * jnp.ones_like(x)
+  def head(p, x):                                   # as the stage's objective
+    return losses.head_next_token_loss(x, p, targets["targets"], targets["loss_mask"])[0] * jnp.ones_like(x)
 
   def hf_head(x):
     loss = torch.nn.functional.cross_entropy((x @ hf_model.lm_head.weight.T)[:, :-1].reshape(-1, cfg.vocab_size),

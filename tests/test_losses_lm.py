@@ -1,4 +1,5 @@
-"""k25jax.losses.next_token_loss against a NumPy reference."""
+"""k25jax.losses.next_token_loss against a NumPy reference; head_next_token_loss against it."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -55,3 +56,30 @@ def test_first_argmax_is_argmax_ties_included():
   np.testing.assert_array_equal(losses.first_argmax(logits), jnp.argmax(logits, axis=-1))
   row = jnp.asarray([[0.0, jnp.nan, 1.0]])
   assert int(losses.first_argmax(row)[0]) == 3     # a NaN row matches no target
+
+
+@pytest.mark.parametrize("z_loss,chunk_bytes,dtype", [(0.0, 2 * 3 * 13 * 4, jnp.float32),   # 2-token chunks
+                                                      (1e-2, 5 * 3 * 13 * 4, jnp.float32),  # one chunk: 5 does not divide 6
+                                                      (1e-2, 1, jnp.bfloat16)])             # 1-token chunks
+def test_head_loss_equals_the_loss_of_the_logits_values_gradients_and_hits(z_loss, chunk_bytes, dtype):
+  """head_next_token_loss(h, W) = next_token_loss(h·W): L, metrics, ∂L/∂h, ∂L/∂W (autodiff of the
+  unfused loss), and the per-position hits; chunks of 2, 6 (5 does not divide the sequence) and 1 tokens."""
+  rng = np.random.default_rng(2)
+  hidden = jnp.asarray(rng.normal(size=(3, 6, 8)), dtype)
+  kernel = jnp.asarray(rng.normal(size=(8, 13)), dtype)
+  targets = jnp.asarray(rng.integers(0, 13, size=(3, 6)), jnp.int32)
+  weights = jnp.asarray(rng.random((3, 6)) > 0.3, jnp.float32)
+  logits = lambda h, w: jnp.einsum("bsd,dv->bsv", h, w, preferred_element_type=jnp.float32)
+  unfused = lambda h, w: losses.next_token_loss(logits(h, w), targets, weights, z_loss=z_loss)
+  head = lambda h, w: losses.head_next_token_loss(h, w, targets, weights, z_loss=z_loss, chunk_bytes=chunk_bytes)
+  (want, want_metrics), want_grads = jax.value_and_grad(unfused, argnums=(0, 1), has_aux=True)(hidden, kernel)
+  (got, (got_metrics, hits)), got_grads = jax.value_and_grad(lambda h, w: (head(h, w)[0], head(h, w)[1:]),
+                                                             argnums=(0, 1), has_aux=True)(hidden, kernel)
+  tol, atol = (1e-6, 1e-6) if dtype == jnp.float32 else (2e-2, 2e-3)      # gradients are ~0.1
+  np.testing.assert_allclose(got, want, rtol=tol)
+  for name in want_metrics:
+    np.testing.assert_allclose(got_metrics[name], want_metrics[name], rtol=tol, err_msg=name)
+  for g, w in zip(got_grads, want_grads):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol, atol=atol)
+  np.testing.assert_array_equal(hits, losses.first_argmax(logits(hidden, kernel)) == targets)
+  np.testing.assert_allclose(jax.jit(head)(hidden, kernel)[0], want, rtol=tol)      # the undifferentiated path

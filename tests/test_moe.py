@@ -56,6 +56,27 @@ def test_paths_equal_dense_values_and_gradients(case, path):
     assert not np.any(grads[2][np.array([0, 2, 3, 6])])  # unrouted experts get no gradient
 
 
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_take_rows_gradient_is_the_gather_transposed(top_k):
+  """take_rows' written-out transpose (a gather through the tile layout's slots) equals
+  autodiff of the plain gather, padding slots (index N) reading zeros; both directions."""
+  groups = jnp.asarray(np.random.default_rng(3).integers(0, E, size=7 * top_k), jnp.int32)
+  source, slot, _ = moe_ops.tile_layout(groups, E, 4)
+  x = jax.random.normal(jax.random.PRNGKey(1), (7, D))
+  token = jnp.where(source < 7 * top_k, source // top_k, 7)
+  plain = lambda x: jnp.concatenate([x, jnp.zeros((1, D))])[token]
+  cot = jax.random.normal(jax.random.PRNGKey(2), (source.shape[0], D))
+  rows, vjp = jax.vjp(lambda x: moe_ops.take_rows(x, token, slot, top_k), x)
+  want_rows, want_vjp = jax.vjp(plain, x)
+  np.testing.assert_array_equal(rows, want_rows)
+  np.testing.assert_allclose(vjp(cot)[0], want_vjp(cot)[0], rtol=1e-6, atol=1e-6)
+  y_rows = jax.random.normal(jax.random.PRNGKey(3), (source.shape[0], D))            # and back: slot → source
+  back, back_vjp = jax.vjp(lambda y: moe_ops.take_rows(y, slot, source, 1), y_rows)
+  np.testing.assert_array_equal(back, y_rows[slot])
+  cot_back = jax.random.normal(jax.random.PRNGKey(4), back.shape)
+  np.testing.assert_allclose(back_vjp(cot_back)[0], jax.vjp(lambda y: y[slot], y_rows)[1](cot_back)[0], rtol=1e-6)
+
+
 def test_tiles_only_where_they_move_less_than_dense():
   """The roofline count of `tiles_cost_more_than_dense`, in units of one expert's weights:
   tiles 2·100·n_tiles + 2·n_rows against dense 100·E + 2·T·E."""

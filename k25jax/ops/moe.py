@@ -23,6 +23,8 @@ Pallas MoE kernels (`pallas_kernels.moe`) use these.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -118,15 +120,112 @@ def tile_layout(groups: jax.Array, n_groups: int, block: int):
   return source, slot, tile_group
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def take_rows(x: jax.Array, index: jax.Array, transpose_index: jax.Array, fold: int) -> jax.Array:
+  """y_i = x_{index_i} (0 where index_i ≥ N) for x [N, d], index [M]; a permutation of rows
+  whose transpose is also a gather:
+
+      dx_n = Σ_{j<fold} dy_{transpose_index[n·fold + j]}   (0 where the index is ≥ M)
+
+  `transpose_index` [N·fold] must list, for each row n of x, the `fold` entries of y that
+  read it. Autodiff would transpose the gather into a scatter-add into a fresh zeroed
+  [N, d] buffer; the tile layout knows both directions (`tile_layout`'s source and slot).
+  """
+  return _take(x, index)
+
+
+def _take(x, index):
+  padded = jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)], axis=0)
+  return padded[jnp.minimum(index, x.shape[0])]
+
+
+def _take_rows_fwd(x, index, transpose_index, fold):
+  return _take(x, index), (transpose_index, x[:0])       # x[:0]: x's type, no data
+
+
+def _take_rows_bwd(fold, saved, dy):
+  transpose_index, x_type = saved
+  n = transpose_index.shape[0] // fold
+  dx = _take(dy, transpose_index).reshape((n, fold) + dy.shape[1:]).sum(1)
+  return _summed_like(dx, x_type), None, None
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+
+
+def _combine(y: jax.Array, weights: jax.Array) -> jax.Array:
+  """Σ_j w_{t,j} y_{t,j,:} for y [T, k, d], weights [T, k], in float32 (elementwise and a
+  reduction: as an einsum XLA:CPU runs it as T tiny batched dots, forward and backward)."""
+  return jnp.sum(y.astype(jnp.float32) * weights[..., None].astype(jnp.float32), axis=1)
+
+
+@jax.custom_vjp
 def _tiled_swiglu(tiles, tile_group, gate, up, down):
-  """[tiles, block, d] rows through the FFN of each tile's group.
+  """[tiles, block, d] rows through the FFN of each tile's group: y = (silu(x·G) ⊙ x·U)·D
+  with G, U, D the tile's group's gate, up and down kernels.
 
   gate and up are gathered as one [tiles, d, 2f] kernel, so x·gate and x·up are one
   batched product of twice the width (forward and backward: 180 → 139 ms for the
-  reference config's routed experts)."""
-  gate_up = jnp.concatenate([gate, up], axis=-1)[tile_group]
-  h_gate, h_up = jnp.split(jnp.einsum("nbd,ndf->nbf", tiles, gate_up), 2, axis=-1)
-  return jnp.einsum("nbf,nfd->nbd", jax.nn.silu(h_gate) * h_up, down[tile_group])
+  reference config's routed experts). The backward is written out (`_tiled_swiglu_bwd`)
+  and gathers the kernels again, so the forward pass keeps only the rows and h = x·[G U],
+  not the gathered kernels (54 MB a layer at the reference config).
+  """
+  return _tiled_swiglu_fwd(tiles, tile_group, gate, up, down)[0]
+
+
+def _tile_kernels(tile_group, gate, up, down):
+  """Each tile's [G U] ([tiles, d, 2f]) and D ([tiles, f, d])."""
+  return jnp.concatenate([gate, up], axis=-1)[tile_group], down[tile_group]
+
+
+def _tiled_swiglu_fwd(tiles, tile_group, gate, up, down):
+  gate_up, tile_down = _tile_kernels(tile_group, gate, up, down)
+  h = jnp.einsum("nbd,ndf->nbf", tiles, gate_up)
+  h_gate, h_up = jnp.split(h, 2, axis=-1)
+  y = jnp.einsum("nbf,nfd->nbd", jax.nn.silu(h_gate) * h_up, tile_down)
+  return y, (tiles, tile_group, h, gate, up, down)
+
+
+def _tiled_swiglu_bwd(saved, dy):
+  """With a = silu(h_G) ⊙ h_U and σ = sigmoid(h_G):
+
+      dD_tile = aᵀ dy,   da = dy Dᵀ,   dh_U = da ⊙ silu(h_G),   dh_G = da ⊙ h_U ⊙ σ(1 + h_G(1 − σ)),
+      dx = [dh_G dh_U]·[G U]ᵀ,   d[G U]_tile = xᵀ [dh_G dh_U],
+
+  the per-tile kernel gradients summed into their groups. The kernels are gathered anew, and
+  a recomputed, from kernels + 0·dy₀ and h + 0·dy₀: depending on the cotangent, they are
+  formed in this layer's backward and not earlier (XLA would otherwise schedule the gathers
+  early or merge them and a with the forward's, keeping them alive across the layers between).
+  """
+  tiles, tile_group, h, gate, up, down = saved
+  after_dy = (dy.reshape(-1)[0] * 0).astype(gate.dtype)
+  gate_up, tile_down = _tile_kernels(tile_group, gate + after_dy, up + after_dy, down + after_dy)
+  h_gate, h_up = jnp.split(h + after_dy.astype(h.dtype), 2, axis=-1)
+  sig = jax.nn.sigmoid(h_gate)
+  silu = h_gate * sig
+  d_tile_down = jnp.einsum("nbf,nbd->nfd", silu * h_up, dy)
+  d_act = jnp.einsum("nbd,nfd->nbf", dy, tile_down)
+  dh = jnp.concatenate([d_act * h_up * sig * (1 + h_gate * (1 - sig)), d_act * silu], axis=-1)
+  d_tiles = jnp.einsum("nbf,ndf->nbd", dh, gate_up)
+  d_gate_up = jnp.zeros((gate.shape[0],) + gate_up.shape[1:], jnp.float32).at[tile_group].add(
+      jnp.einsum("nbd,nbf->ndf", tiles, dh, preferred_element_type=jnp.float32))
+  d_down = jnp.zeros(down.shape, jnp.float32).at[tile_group].add(d_tile_down.astype(jnp.float32))
+  d_gate, d_up = jnp.split(d_gate_up, 2, axis=-1)
+  return (_summed_like(d_tiles, tiles), None, _summed_like(d_gate, gate), _summed_like(d_up, up),
+          _summed_like(d_down, down))
+
+
+def _summed_like(grad: jax.Array, primal: jax.Array) -> jax.Array:
+  """grad summed over the manual mesh axes it varies over and its primal does not, in the
+  primal's dtype: inside a shard_map, the kernels' gradient from each data shard's tokens and
+  the rows' gradient from each tensor shard's part of f (what autodiff's transpose of the
+  implicit broadcasts does); a no-op elsewhere."""
+  varying = lambda x: jax.typeof(x).manual_axis_type.varying
+  extra = tuple(sorted(varying(grad) - varying(primal)))
+  return (jax.lax.psum(grad, extra) if extra else grad).astype(primal.dtype)
+
+
+_tiled_swiglu.defvjp(_tiled_swiglu_fwd, _tiled_swiglu_bwd)
 
 
 # Flops one weight number costs to move (read or write), against computing with it: a CPU or
@@ -171,11 +270,10 @@ def experts_ragged(x, experts, weights, gate, up, down, block: int = 0):
   n_experts, d = gate.shape[0], x.shape[-1]
   block = block or auto_block_size(n_tokens * top_k, n_experts)
   source, slot, tile_group = tile_layout(experts.reshape(-1), n_experts, block)
-  x_padded = jnp.concatenate([x, jnp.zeros((1, d), x.dtype)], axis=0)
-  rows = x_padded[jnp.minimum(source // top_k, n_tokens)].reshape(-1, block, d)
-  y_rows = _tiled_swiglu(rows, tile_group, gate, up, down)
-  y = y_rows.reshape(-1, d)[slot].reshape(n_tokens, top_k, d)
-  return jnp.einsum("tkd,tk->td", y.astype(jnp.float32), weights)
+  token = jnp.where(source < n_tokens * top_k, source // top_k, n_tokens)          # N: padding
+  rows = take_rows(x, token, slot, top_k).reshape(-1, block, d)
+  y_rows = _tiled_swiglu(rows, tile_group, gate, up, down).reshape(-1, d)
+  return _combine(take_rows(y_rows, slot, source, 1).reshape(n_tokens, top_k, d), weights)
 
 
 def grouped_ffn(rows, groups, gate, up, down, *, use_ragged_dot: bool = False, block: int = 0):
@@ -194,9 +292,8 @@ def grouped_ffn(rows, groups, gate, up, down, *, use_ragged_dot: bool = False, b
     return jnp.zeros((n_rows, d), rows.dtype).at[order].set(jax.lax.ragged_dot(h, down, sizes))
   block = block or auto_block_size(n_rows, n_groups)
   source, slot, tile_group = tile_layout(groups, n_groups, block)
-  padded = jnp.concatenate([rows, jnp.zeros((1, d), rows.dtype)], axis=0)
-  y_tiles = _tiled_swiglu(padded[source].reshape(-1, block, d), tile_group, gate, up, down)
-  return jnp.concatenate([y_tiles.reshape(-1, d), jnp.zeros((1, d), y_tiles.dtype)], axis=0)[slot]
+  y_tiles = _tiled_swiglu(take_rows(rows, source, slot, 1).reshape(-1, block, d), tile_group, gate, up, down)
+  return take_rows(y_tiles.reshape(-1, d), slot, source, 1)
 
 
 def experts_ragged_dot(x, experts, weights, gate, up, down):
@@ -207,4 +304,4 @@ def experts_ragged_dot(x, experts, weights, gate, up, down):
   h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes)) * jax.lax.ragged_dot(rows, up, group_sizes)
   y_sorted = jax.lax.ragged_dot(h, down, group_sizes)
   y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(n_tokens, top_k, -1)
-  return jnp.einsum("tkd,tk->td", y.astype(jnp.float32), weights)
+  return _combine(y, weights)

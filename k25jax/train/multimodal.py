@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from k25jax import losses
 from k25jax.data import mixture, vision as vision_data
 from k25jax.model import k25, media as media_lib, vision
 from k25jax.model.config import K25Config
@@ -127,11 +126,12 @@ def media_step(with_media, text_only):
   return lambda state, batch: (with_media if "pixel_values" in batch else text_only)(state, batch)
 
 
-def answer_metrics(logits: jax.Array, batch: dict) -> dict[str, jax.Array]:
-  """answer_exact_count / answer_count over the vision samples of the batch (whole answers)."""
+def answer_metrics(hits: jax.Array, batch: dict) -> dict[str, jax.Array]:
+  """answer_exact_count / answer_count over the vision samples of the batch (whole answers);
+  hits [batch, seq]: whether each position's argmax is its target."""
   b, s = batch["targets"].shape
   scored = (batch["loss_mask"] > 0) & (batch["is_vision"] > 0)
-  wrong = scored & (losses.first_argmax(logits) != batch["targets"])
+  wrong = scored & ~hits
   ids = (jnp.arange(b)[:, None] * (s + 1) + batch["segment_ids"]).reshape(-1)
   seg_wrong = jax.ops.segment_max(wrong.reshape(-1).astype(jnp.int32), ids, num_segments=b * (s + 1))
   seg_scored = jax.ops.segment_max(scored.reshape(-1).astype(jnp.int32), ids, num_segments=b * (s + 1))
