@@ -5,7 +5,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 def first_argmax(logits: jax.Array) -> jax.Array:
@@ -143,15 +142,15 @@ def _head_loss_fwd(hidden, kernel, targets, weights, z_loss, chunk):
       body, init, (_by_chunk(hidden, chunk), _by_chunk(targets, chunk), _by_chunk(weights, chunk)))
   d_hidden = jnp.moveaxis(d_hidden, 0, 1).reshape(hidden.shape)
   outputs = _head_outputs(sums, tokens, z_loss, hits, targets.shape)
-  return outputs, (d_hidden, d_kernel.astype(kernel.dtype), targets, weights)
+  return outputs, (d_hidden, d_kernel.astype(kernel.dtype))
 
 
 def _head_loss_bwd(z_loss, chunk, saved, cotangents):
-  """Only L's cotangent flows back; the other outputs are metrics (`head_next_token_loss` stops them)."""
-  d_hidden, d_kernel, targets, weights = saved
+  """Only L's cotangent flows back; the other outputs are metrics (`head_next_token_loss` stops
+  them). The targets and the weights get none."""
+  d_hidden, d_kernel = saved
   g = cotangents[0]
-  return ((g * d_hidden).astype(d_hidden.dtype), (g * d_kernel).astype(d_kernel.dtype),
-          np.zeros(targets.shape, jax.dtypes.float0), jnp.zeros_like(weights))
+  return (g * d_hidden).astype(d_hidden.dtype), (g * d_kernel).astype(d_kernel.dtype), None, None
 
 
 _head_loss.defvjp(_head_loss_fwd, _head_loss_bwd)
