@@ -22,6 +22,13 @@ How long a run is (`train`), the same in every stage:
   train.keep_checkpoints, train.seed
   train.max_consecutive_skipped   updates skipped in a row (non-finite loss, gradients or
                         updated state) that stop a run as diverged, naming its last good checkpoint
+
+Lengths that follow the run: every length measured in the run's steps (the optimizer's warmup
+and decay, evaluation and checkpoint cadence, Toggle's phase, PARL's λ anneal, the ViT stage's
+second phase) is the preset's value while it fits the run, and the same share of the run when
+`train.steps` is set shorter (`fit_to_run`, `schedule_fit_to_run`): `--config.train.steps=N`
+runs for any N >= 1. A length set itself (`--config.optimizer.warmup_steps=N`) is taken as
+given; the stage's config check names it in one line when the run cannot hold it.
 """
 import dataclasses
 
@@ -40,6 +47,60 @@ TINY_CHAT_TEXT = dict(vocab_size=CHAT_VOCAB_SIZE, hidden_size=128, intermediate_
 
 # The synthetic vision tasks (`k25jax.data.visual_synthetic.TASKS`).
 VISUAL_TASKS = ("caption", "count", "read", "chart", "motion")
+
+
+def _min(a, b):
+  """min(a, b) for integers or ml_collections FieldReferences (their public arithmetic)."""
+  return (a + b - abs(a - b)) // 2
+
+
+def _max(a, b):
+  """max(a, b) for integers or FieldReferences."""
+  return (a + b + abs(a - b)) // 2
+
+
+def _fits(needed, available):
+  """1 where needed <= available, else 0 (integers or FieldReferences)."""
+  return _min(1, _max(0, available - needed + 1))
+
+
+def fit_to_run(length: int, steps, preset_steps: int, *, at_least: int = 0):
+  """A length of the preset's run (`preset_steps` long) that follows the run's `steps` (a
+  FieldReference, e.g. `c.train.get_ref("steps")`), recomputed whenever train.steps is set:
+
+      L(T) = L                                       L <= T  (it fits: the preset's value)
+           = max(at_least, ⌊L · T / preset_steps⌋)   L >  T  (the preset's share of the run)
+  """
+  fits = _fits(length, steps)
+  return fits * length + (1 - fits) * _max(at_least, steps * length // preset_steps)
+
+
+def schedule_fit_to_run(section: ml_collections.ConfigDict, updates) -> None:
+  """The optimizer `section`'s warmup and decay follow the run's `updates` (a FieldReference):
+  the preset's values while warmup + decay <= updates, else each scaled by
+  updates / (warmup + decay), so that together they fit."""
+  warmup, decay = section.warmup_steps, section.decay_steps
+  fits = _fits(warmup + decay, updates)
+  scaled = lambda part: updates * part // max(warmup + decay, 1)
+  section.warmup_steps = fits * warmup + (1 - fits) * scaled(warmup)
+  section.decay_steps = fits * decay + (1 - fits) * scaled(decay)
+
+
+def cadence_fit_to_run(train: ml_collections.ConfigDict) -> None:
+  """`train.eval_every` and `checkpoint_every` (where the section has them) follow `train.steps`
+  (`fit_to_run`, at least 1); the loop also evaluates and saves at the last step."""
+  steps, preset_steps = train.get_ref("steps"), train.steps
+  for name in ("eval_every", "checkpoint_every"):
+    if name in train:
+      train[name] = fit_to_run(train[name], steps, preset_steps, at_least=1)
+
+
+def follow_the_run(c: ml_collections.ConfigDict, updates=None) -> None:
+  """The config's optimizer schedule (over `updates`, default train.steps) and cadences follow
+  `train.steps` (`schedule_fit_to_run`, `cadence_fit_to_run`). Called last in `get_config`, once
+  the preset has set its lengths."""
+  schedule_fit_to_run(c.optimizer, c.train.get_ref("steps") if updates is None else updates)
+  cadence_fit_to_run(c.train)
 
 
 def preset_and_switches(arg, path: str, presets: tuple[str, ...], switches: tuple[str, ...] = ()

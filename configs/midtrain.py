@@ -83,4 +83,5 @@ def get_config(arg=None):
     c.mesh.update(data=1, fsdp=-1, expert=16 if long_rows else 64, sequence=32 if long_rows else 8)
     c.train.update(steps=1000, log_every=10, eval_every=100, checkpoint_every=100,
                    batch=16 if long_rows else 128, seq_len=262144 if long_rows else 32768)
+  common.follow_the_run(c)
   return c

@@ -87,4 +87,5 @@ def get_config(arg=None):
     c.train.update(batch=1024, seq_len=4096)
   if k25_joint:   # 512 data shards (fsdp=8 x expert=64) of 2 rows, each with its own media
     c.data.update(max_patches=K25_SHARD_PATCHES * 512, shard_media=True)
+  common.follow_the_run(c)
   return c

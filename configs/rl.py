@@ -96,7 +96,20 @@ def get_config(arg=None):
     c.rl.update(prompts_per_iteration=128, minibatches=4, max_new_tokens=16384)
     c.optimizer.lr = 1e-6   # lr not given by the paper
     c.mesh.update(data=1, fsdp=-1, expert=64, sequence=8)
+  follow_the_run(c)
   return c
+
+
+def follow_the_run(c: ml_collections.ConfigDict) -> None:
+  """Lengths that follow the run (`common.follow_the_run`): the policy's schedule over
+  train.steps × rl.minibatches updates, Toggle's phase over iterations; the warm start's over
+  warm_start.steps."""
+  steps = c.train.get_ref("steps")
+  common.follow_the_run(c, updates=steps * c.rl.get_ref("minibatches"))
+  c.toggle.m = common.fit_to_run(c.toggle.m, steps, c.train.steps, at_least=1)
+  if "warm_start" in c:
+    common.schedule_fit_to_run(c.warm_start.optimizer, c.warm_start.get_ref("steps"))
+    common.cadence_fit_to_run(c.warm_start)
 
 
 def toggle_section(enabled: bool, budget_samples: int) -> ml_collections.ConfigDict:
@@ -131,4 +144,5 @@ def vision_config(preset: str, switches: set) -> ml_collections.ConfigDict:
   c.train = ml_collections.ConfigDict(dict(
       steps=30, log_every=5, eval_every=10, checkpoint_every=10, keep_checkpoints=2, seed=0, router_bias_rate=1e-3,
       max_consecutive_skipped=10))
+  follow_the_run(c)
   return c

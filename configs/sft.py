@@ -54,4 +54,5 @@ def get_config(arg=None):
       settings="text_tool,image_tool,image_no_tool"))
 
   c.mesh = common.mesh_section()
+  common.follow_the_run(c)
   return c

@@ -49,4 +49,6 @@ def get_config(arg=None):
       balance_loss_alpha=0.0,                # the language model is frozen
       max_consecutive_skipped=10,            # skipped (non-finite) updates in a row that stop the run
   ))
+  common.follow_the_run(c)
+  c.vit.projector_only_from = common.fit_to_run(c.vit.projector_only_from, c.train.get_ref("steps"), c.train.steps)
   return c

@@ -11,14 +11,17 @@ from __future__ import annotations
 import importlib
 import logging as pylogging
 import os
+import pkgutil
 import sys
 
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from k25jax import tpu_probe
+from k25jax import stages, tpu_probe
 from k25jax.train import config_check, config_utils, loop
+
+STAGES = tuple(sorted(m.name for m in pkgutil.iter_modules(stages.__path__)))
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/<stage>.py[:preset]", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints and TensorBoard logs; default runs/<stage>.")
@@ -81,6 +84,21 @@ class _QuietLibraries(pylogging.Filter):
     return record.levelno >= pylogging.WARNING or not any(n in record.pathname for n in self.NOISY)
 
 
+def check_fields(config) -> None:
+  """Every field's rule (`config_check.validate`), the stage's name among the stage modules.
+  Raises ValueError, one line."""
+  config_check.validate(config, rules={"stage": config_check.choice(*STAGES)})
+
+
+def checked_stage(config):
+  """The stage module `config.stage` names, once its own `check(config)` passed (its lengths
+  against `train.steps`, the fields only it knows; raises ValueError, one line). Imported
+  after `jax.distributed.initialize`: nothing a stage imports may start a backend before it."""
+  stage = importlib.import_module(f"k25jax.stages.{config.stage}")
+  stage.check(config)
+  return stage
+
+
 def main(argv):
   logging.get_absl_handler().addFilter(_QuietLibraries())   # every record reaches this handler
   tpu_probe.quiet_tpu_probe()
@@ -90,18 +108,18 @@ def main(argv):
   if config is None:
     raise app.UsageError("--config=configs/<stage>.py[:preset] is required")
   try:
-    config_check.validate(config)
+    check_fields(config)
   except ValueError as e:
     fail(str(e), 2)
   distributed = distributed_args()
   if distributed is not None:
     jax.distributed.initialize(**distributed)
+  try:
+    stage = checked_stage(config)
+  except ValueError as e:
+    fail(str(e), 2)
   logging.info("process %d of %d, %d devices: %s", jax.process_index(), jax.process_count(),
                jax.device_count(), jax.devices()[0].platform)
-  try:
-    stage = importlib.import_module(f"k25jax.stages.{config.stage}")
-  except ModuleNotFoundError as e:
-    raise app.UsageError(f"config.stage={config.stage!r}: there is no k25jax/stages/{config.stage}.py") from e
   try:
     stage.run(config, _WORKDIR.value or os.path.join("runs", config.stage))
   except loop.Diverged as e:

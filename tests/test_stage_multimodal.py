@@ -111,7 +111,7 @@ def test_midtrain_late_fusion_with_yarn_and_rows_sharded_along_sequence(tmp_path
   np.testing.assert_allclose(train[0]["loss"], loss, rtol=1e-5)
   config.train.seq_len = 256
   with pytest.raises(ValueError, match="exceeds the YaRN context"):
-    midtrain.long_context_model(config, TOK)
+    midtrain.check(config)
 
 
 def test_placeholder_mismatch_is_a_clear_error():

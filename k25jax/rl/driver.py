@@ -31,7 +31,7 @@ from absl import logging
 
 from k25jax import losses
 from k25jax.rl import policy_loss
-from k25jax.train import loop, multimodal, optimizer, sharding, trainer as trainer_lib
+from k25jax.train import loop, multimodal, optimizer, sharding, trainer as trainer_lib, warm_start
 
 
 @dataclasses.dataclass
@@ -49,6 +49,8 @@ class Rollouts:
 def check(config: ml_collections.ConfigDict) -> None:
   """Errors of the rl section that the driver would otherwise meet mid-run, naming the field."""
   rl = config.rl
+  if config.loss.name not in policy_loss.LOSSES:
+    raise ValueError(f"config: loss.name={config.loss.name!r}: must be one of {policy_loss.LOSSES}")
   if rl.num_generations < 2:
     raise ValueError(f"rl.num_generations={rl.num_generations}: group advantages need K >= 2 samples per prompt "
                      "(an empty group has no baseline)")
@@ -56,6 +58,10 @@ def check(config: ml_collections.ConfigDict) -> None:
   if rollouts % rl.minibatches or (rollouts // rl.minibatches) % rl.num_generations:
     raise ValueError(f"rl.minibatches={rl.minibatches} must split the {rollouts} rollouts per iteration into "
                      f"minibatches of whole groups of rl.num_generations={rl.num_generations}")
+  optimizer.check_schedule(config.optimizer, config.train.steps * rl.minibatches,
+                           length=f"train.steps={config.train.steps} × rl.minibatches={rl.minibatches}")
+  if "warm_start" in config:
+    warm_start.check(config.warm_start)
 
 
 def make_optimizer(config: ml_collections.ConfigDict):

@@ -19,7 +19,7 @@ import ml_collections
 
 from k25jax.data import tokenizer
 from k25jax.model.config import K25Config
-from k25jax.train import config_utils, joint
+from k25jax.train import config_utils, joint, trainer as trainer_lib
 
 
 def yarn_scaling(long_context: ml_collections.ConfigDict) -> dict:
@@ -32,18 +32,29 @@ def yarn_scaling(long_context: ml_collections.ConfigDict) -> dict:
               mscale=1.0, mscale_all_dim=1.0)
 
 
+def max_positions(long_context: ml_collections.ConfigDict) -> int:
+  """The YaRN context: yarn_factor · original_context."""
+  return int(round(long_context.yarn_factor * long_context.original_context))
+
+
+def check(config: ml_collections.ConfigDict) -> None:
+  """The stage's config check (before anything is built): the schedule fits the run, and the
+  rows fit the YaRN context."""
+  trainer_lib.check(config)
+  if config.train.seq_len > max_positions(config.long_context):
+    raise ValueError(f"config: train.seq_len={config.train.seq_len} exceeds the YaRN context "
+                     f"long_context.yarn_factor x original_context = {max_positions(config.long_context)}")
+
+
 def long_context_model(config: ml_collections.ConfigDict, tok) -> K25Config:
   """The config's K2.5 model with YaRN and max positions = factor · original context."""
   cfg = config_utils.k25_config_from(config.model, tok)
   lc = config.long_context
-  max_positions = int(round(lc.yarn_factor * lc.original_context))
-  if config.train.seq_len > max_positions:
-    raise ValueError(f"train.seq_len={config.train.seq_len} exceeds the YaRN context "
-                     f"long_context.yarn_factor x original_context = {max_positions}")
-  return cfg.replace(text=cfg.text.replace(rope_scaling=yarn_scaling(lc), max_position_embeddings=max_positions))
+  return cfg.replace(text=cfg.text.replace(rope_scaling=yarn_scaling(lc), max_position_embeddings=max_positions(lc)))
 
 
 def run(config: ml_collections.ConfigDict, workdir: str):
   """Trains to `config.train.steps` (resuming from the workdir). Returns (state, history)."""
+  check(config)
   tok = tokenizer.load(config.data.tokenizer, config.data.vocab_file, media=True)
   return joint.run(config, workdir, long_context_model(config, tok), tok)

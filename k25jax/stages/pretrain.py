@@ -39,9 +39,15 @@ def make_step(config: ml_collections.ConfigDict, model: transformer.Transformer,
                                 qk_clip_tau=optimizer.qk_clip_tau(config.optimizer))
 
 
+def check(config: ml_collections.ConfigDict) -> None:
+  """The stage's config check (before anything is built): the schedule fits the run."""
+  trainer_lib.check(config)
+
+
 def run(config: ml_collections.ConfigDict, workdir: str):
   """Trains to `config.train.steps`, resuming from the workdir's latest checkpoint.
   Returns (state, history) with history the logged metrics (see `loop.train`)."""
+  check(config)
   joint_run = "vision" in config.model
   tok = tokenizer.load(config.data.tokenizer, config.data.vocab_file, media=joint_run)
   if joint_run:

@@ -261,28 +261,36 @@ def print_summary(results: dict[str, dict], n_tasks: int) -> None:
 
 
 # ------------------------------------------------------------------------------------- run
-def check(config, model_cfg: K25Config, tok: chat.ChatTokenizer, mesh) -> None:
-  text = model_cfg.text
+def check(config) -> None:
+  """The stage's config check (before anything is built): the schedule fits the run; the
+  trajectories and the evaluation's contexts fit the model's positions."""
+  trainer_lib.check(config)
+  positions = config.model.text.max_position_embeddings
+  if config.eval.max_context > positions:
+    raise ValueError(f"config: eval.max_context={config.eval.max_context} exceeds model.text.max_position_embeddings="
+                     f"{positions}")
+  if config.data.max_length > positions + 1:
+    raise ValueError(f"config: data.max_length={config.data.max_length} exceeds model.text.max_position_embeddings + 1")
+
+
+def check_built(config, model_cfg: K25Config, tok: chat.ChatTokenizer, mesh) -> None:
+  """What shows once the pieces meet: the batches split over the mesh; the chat ids fit the model."""
   for name in ("batch", "visual_batch"):
     sharding.check_batch(mesh, config.train[name], f"train.{name}")
-  if text.vocab_size < tok.vocab_size:
-    raise ValueError(f"model.text.vocab_size={text.vocab_size} is below the chat vocabulary's {tok.vocab_size} "
-                     "tokens (bytes, media, role tokens)")
-  if config.eval.max_context > text.max_position_embeddings:
-    raise ValueError(f"eval.max_context={config.eval.max_context} exceeds model.text.max_position_embeddings="
-                     f"{text.max_position_embeddings}")
-  if config.data.max_length > text.max_position_embeddings + 1:
-    raise ValueError(f"data.max_length={config.data.max_length} exceeds model.text.max_position_embeddings + 1")
+  if model_cfg.text.vocab_size < tok.vocab_size:
+    raise ValueError(f"model.text.vocab_size={model_cfg.text.vocab_size} is below the chat vocabulary's "
+                     f"{tok.vocab_size} tokens (bytes, media, role tokens)")
 
 
 def run(config: ml_collections.ConfigDict, workdir: str):
   """Data, SFT (resumable), then held-out rollouts; writes workdir/sft_eval.json (results by
   setting). Returns (state, history): the logged train records, then one `eval/<setting>`
   record a setting."""
+  check(config)
   tok = chat.ChatTokenizer()
   model = k25.K25(config_utils.k25_config_from(config.model, tok))
   mesh = sharding.make_mesh(config.mesh.to_dict())
-  check(config, model.cfg, tok, mesh)
+  check_built(config, model.cfg, tok, mesh)
   tx = optimizer.make_optimizer(config.optimizer, config.train.steps)
   with tool_rollout.sandbox_pool(config.sandbox) as pool, \
       trainer_lib.Trainer.for_config(config, workdir, model, tx, mesh) as trainer:

@@ -49,8 +49,10 @@ def datasets(config, tok, shards: int = 1):
 
 
 def check(config) -> None:
+  """The stage's config check (before anything is built): the schedule and both phases fit the run."""
+  trainer_lib.check(config)
   if not 0 <= config.vit.projector_only_from <= config.train.steps:
-    raise ValueError(f"vit.projector_only_from={config.vit.projector_only_from} must lie in "
+    raise ValueError(f"config: vit.projector_only_from={config.vit.projector_only_from} must lie in "
                      f"[0, train.steps={config.train.steps}]")
 
 

@@ -6,24 +6,22 @@ with one line naming it and what it may be:
 
     config: train.checkpoint_every=0: must be a positive integer
 
-The model section is checked by building its `ModelConfig` (and `VisionConfig`); what needs the
-devices or the data (batch over the mesh, vocabulary against the tokenizer) is checked by
-the stage, still before the first compile.
+The model section is checked by building its `ModelConfig` (and `VisionConfig`). The checks
+of fields that belong to what uses them sit there, each the same one line: the stage's
+`check(config)` (its lengths against `train.steps`: `trainer.check`, `optimizer.check_schedule`;
+the RL driver's loss names and minibatches: `rl.driver.check`), which `k25jax.main` runs right
+after these; what needs the devices or the data (batch over the mesh, vocabulary against the
+tokenizer) is checked by the stage, still before the first compile.
 """
 from __future__ import annotations
 
 import math
-import pkgutil
-from typing import Callable
+from typing import Callable, Mapping
 
 import ml_collections
 
-from k25jax import stages
 from k25jax.model import config as model_config
-from k25jax.rl import policy_loss
 from k25jax.train import optimizer
-
-STAGES = tuple(sorted(m.name for m in pkgutil.iter_modules(stages.__path__)))
 
 
 def _int(v) -> bool:
@@ -46,7 +44,7 @@ FRACTION = _rule(lambda v: _real(v) and 0 <= v <= 1, "a number in [0, 1]")
 BELOW_ONE = _rule(lambda v: _real(v) and 0 <= v < 1, "a number in [0, 1)")
 
 
-def _choice(*names: str):
+def choice(*names: str):
   return _rule(lambda v: v in names, f"one of {names}")
 
 
@@ -58,10 +56,10 @@ RULES = {
         "visual_examples", "sessions", "train_prompts", "eval_prompts", "max_new_tokens", "turn_tokens", "max_turns",
         "max_context", "eval_samples", "budget_samples", "max_patches", "image_size", "max_doc_chars", "max_length",
         "orchestrator_turn_tokens", "subagent_turn_tokens", "eval_tasks", "parallel_cap", "output_chars",
-        "memory_mb", "ns_steps", "original_context", "eval.tasks", "toggle.m")},
+        "memory_mb", "ns_steps", "original_context", "eval.tasks", "toggle.m", "anneal_steps")},
     **{name: NON_NEGATIVE_INT for name in (
         "eval_batches", "vision_eval_batches", "warmup_steps", "decay_steps", "seed", "eval_seed", "visual_batch",
-        "projector_only_from", "anneal_steps", "top_k", "subagent_rows", "text_replay", "vision_replay")},
+        "projector_only_from", "top_k", "subagent_rows", "text_replay", "vision_replay")},
     **{name: POSITIVE for name in (
         "lr", "grad_clip", "rms_scale", "qk_clip_tau", "cpu_s", "wall_s", "beta_fast", "beta_slow", "optimizer.eps",
         "loss.eps", "eps_high", "tau")},
@@ -77,14 +75,12 @@ RULES = {
     "num_generations": _rule(lambda v: _int(v) and v >= 2, "an integer >= 2 (a group needs a baseline)"),
     "loss.alpha": _rule(lambda v: _real(v) and v <= 0, "a number <= 0 (the band's lower end on the log ratio)"),
     "loss.beta": _rule(lambda v: _real(v) and v >= 0, "a number >= 0 (the band's upper end on the log ratio)"),
-    "stage": _choice(*STAGES),
-    "optimizer.name": _choice(*optimizer.OPTIMIZERS),
-    "loss.name": _choice(*policy_loss.LOSSES),
-    "loss.normalize": _choice("batch", "group"),
-    "data.tokenizer": _choice("bytes", "tiktoken"),
-    "vision_schedule": _choice("constant", "ramp"),
-    "anneal_kind": _choice("linear", "cosine"),
-    "parl.rendering": _choice("dsl", "chat"),     # k25jax.agents.widesearch.rendering.NAMES
+    "optimizer.name": choice(*optimizer.OPTIMIZERS),
+    "loss.normalize": choice("batch", "group"),
+    "data.tokenizer": choice("bytes", "tiktoken"),
+    "vision_schedule": choice("constant", "ramp"),
+    "anneal_kind": choice("linear", "cosine"),
+    "parl.rendering": choice("dsl", "chat"),     # k25jax.agents.widesearch.rendering.NAMES
     "after_init": _rule(lambda v: isinstance(v, bool), "True or False"),
 }
 
@@ -99,12 +95,14 @@ def _fields(section: ml_collections.ConfigDict, prefix: str = ""):
       yield path, value
 
 
-def validate(config: ml_collections.ConfigDict) -> None:
+def validate(config: ml_collections.ConfigDict, rules: Mapping[str, tuple[Callable, str]] | None = None) -> None:
   """Raises ValueError (one line, `config: <field>=<value>: must be ...`) on the first field
-  that breaks its rule, the mesh or the model section."""
+  that breaks its rule, the mesh or the model section. `rules` adds (or overrides) rules of
+  fields whose values only a higher floor knows (the stage names: `k25jax.main`)."""
+  rules = {**RULES, **(rules or {})}
   for path, value in _fields(config):
     parts = path.split(".")
-    rule = RULES.get(".".join(parts[-2:])) or RULES.get(parts[-1])
+    rule = rules.get(".".join(parts[-2:])) or rules.get(parts[-1])
     if rule is not None and not rule[0](value):
       raise ValueError(f"config: {path}={value!r}: must be {rule[1]}")
   if "mesh" in config:

@@ -33,6 +33,15 @@ def wsd_schedule(lr: float, total_steps: int, warmup_steps: int, decay_steps: in
   return optax.join_schedules([warmup, stable, decay], [warmup_steps, total_steps - decay_steps])
 
 
+def check_schedule(opt, total_steps: int, *, section: str = "optimizer", length: str = "train.steps") -> None:
+  """The config check of a schedule: warmup and decay fit in the run's `total_steps` updates
+  (`length` names where that count comes from). One line naming the fields, else None."""
+  if opt.warmup_steps + opt.decay_steps > total_steps:
+    raise ValueError(f"config: {section}.warmup_steps={opt.warmup_steps} + {section}.decay_steps={opt.decay_steps} "
+                     f"exceed the run's {total_steps} updates ({length}); lower them, "
+                     "or leave them to follow the run")
+
+
 def adamw_labels(params):
   """`partition.FROZEN` for the router biases, "train" for every other leaf (AdamW alone)."""
   return jax.tree.map(lambda label: label if label == partition.FROZEN else "train", partition.labels(params))

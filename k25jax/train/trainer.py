@@ -29,7 +29,7 @@ import jax
 import ml_collections
 
 from k25jax.model import expert_parallel, k25, transformer
-from k25jax.train import checkpoint, loop, sharding, state as state_lib, step as step_lib
+from k25jax.train import checkpoint, loop, optimizer, sharding, state as state_lib, step as step_lib
 
 Model = transformer.Transformer | k25.K25
 
@@ -126,6 +126,11 @@ def train_step(model: Model, tx, loss_fn: step_lib.LossFn, *, router_bias_rate: 
 def eval_step(model: Model, tx, loss_fn: step_lib.LossFn, batch_specs=None):
   """The jitted `eval_step(state, batch) -> metrics` of `loss_fn` (`step.make_eval_step`)."""
   return step_lib.make_eval_step(loss_fn, abstract_state(model, tx), batch_specs=batch_specs)
+
+
+def check(config: ml_collections.ConfigDict) -> None:
+  """The config check of a supervised stage's length: the optimizer's schedule fits `train.steps`."""
+  optimizer.check_schedule(config.optimizer, config.train.steps)
 
 
 def check_rows(config: ml_collections.ConfigDict, tok, model: Model, mesh: jax.sharding.Mesh) -> None:

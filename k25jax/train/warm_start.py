@@ -21,6 +21,12 @@ from k25jax.data import packing
 from k25jax.train import objective, optimizer, sharding, trainer as trainer_lib
 
 
+def check(section: ml_collections.ConfigDict) -> None:
+  """The config check of the `warm_start` section's length: its schedule fits `warm_start.steps`."""
+  optimizer.check_schedule(section.optimizer, section.steps, section="warm_start.optimizer",
+                           length="warm_start.steps")
+
+
 def train(section: ml_collections.ConfigDict, model, tokens: np.ndarray, weights: np.ndarray, lengths: np.ndarray,
           *, mesh: jax.sharding.Mesh, workdir: str, init_params=None):
   """Trains (or resumes) `section.steps` steps in `workdir`, from `init_params` (default a
