@@ -1,16 +1,23 @@
-"""colab/*.ipynb: committed without outputs, and executed top to bottom at their tiny preset.
+"""colab/*.ipynb: committed without outputs, and executed top to bottom at their smoke preset.
+
+Each notebook is committed at `PRESET = "tiny"` (a run worth reading on a CPU runtime) and offers a
+smaller `"smoke"` beside it: the same code path at the smallest sizes that still run every cell and
+give every plot its data (a few steps, iterations, prompts and held-out tasks, a short warm start).
+The fixture sets the parameters cell's `PRESET = "tiny"` to `"smoke"` in memory before executing,
+and that notebook's test fails if the line is not there.
 
 Every notebook runs in a fresh `python3` kernel (ipykernel) driven by nbclient; any cell
 error fails its test. The kernels do not inherit conftest.py's jax set-up, so their
 environment is given explicitly: CPU, one host device (no forced device count), and one
 workdir for the session, shared as on a Colab runtime (the RL notebooks share one SFT
-warm start through it, and compiled programs through its jax cache). Most of a tiny run is
+warm start through it, and compiled programs through its jax cache). Most of a smoke run is
 XLA compilation, which is single-threaded, so two kernels run at a time (longest first)
 to keep both CPU cores busy.
 """
 import asyncio
 import glob
 import os
+import re
 
 import nbformat
 import pytest
@@ -21,10 +28,19 @@ NAMES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(COLAB, "*.ipy
 LONGEST_FIRST = ("parl.ipynb", "fusion_and_muonclip.ipynb", "rl_losses.ipynb", "quickstart.ipynb", "toggle.ipynb")
 KERNELS_AT_ONCE = 2
 CELL_TIMEOUT_S = 900
+COMMITTED_PRESET = re.compile(r'^PRESET = "tiny"', re.MULTILINE)   # the parameters cell's first line
 
 
 def _load(name: str) -> nbformat.NotebookNode:
   return nbformat.read(os.path.join(COLAB, name), as_version=4)
+
+
+def _at_smoke(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+  """`nb` with its parameters cell's `PRESET = "tiny"` set to `PRESET = "smoke"` (in memory)."""
+  found = [c for c in nb.cells if c.cell_type == "code" and COMMITTED_PRESET.search(c.source)]
+  assert len(found) == 1, f'{len(found)} code cells set PRESET = "tiny"; the smoke run needs exactly one'
+  found[0].source = COMMITTED_PRESET.sub('PRESET = "smoke"', found[0].source)
+  return nb
 
 
 def _kernel_env(workdir: str) -> dict:
@@ -41,10 +57,10 @@ async def _execute_all(workdir: str) -> dict:
 
   async def execute(name):
     async with slots:
-      nb = _load(name)
-      client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                              resources={"metadata": {"path": COLAB}})
       try:
+        nb = _at_smoke(_load(name))
+        client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                                resources={"metadata": {"path": COLAB}})
         await client.async_execute(env=_kernel_env(workdir))
       except Exception as e:  # pylint: disable=broad-except  (reported by the notebook's own test)
         return name, e
@@ -74,6 +90,13 @@ def test_committed_without_outputs(name):
 def test_markdown_says_what_the_plot_shows_and_what_the_paper_reported(name):
   text = "\n".join(c.source for c in _load(name).cells if c.cell_type == "markdown")
   assert "**What the plot shows.**" in text and "**For comparison.**" in text
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_parameters_cell_documents_the_smoke_preset(name):
+  """The preset the notebook tests run is offered to readers too, in the cell that picks it."""
+  cell = next(c for c in _at_smoke(_load(name)).cells if c.cell_type == "code" and 'PRESET = "smoke"' in c.source)
+  assert '"smoke":' in cell.source, f'{name}: say what "smoke" is in the comment beside PRESET'
 
 
 @pytest.mark.slow
