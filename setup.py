@@ -31,6 +31,7 @@ setup(
     extras_require={
         "dev": [
             "pytest",
+            "pytest-xdist",    # the suite's workers (pytest.ini: -n auto, whole files to a worker)
             "torch==2.13.0",
             "transformers>=5.13",
             "compressed-tensors",

@@ -1,4 +1,5 @@
-"""Test set-up: 8 host devices so every sharding path is exercised on CPU."""
+"""Test set-up: 8 host devices so every sharding path is exercised on CPU; pytest-xdist
+workers (pytest.ini) share one compilation cache and get the longest test files first."""
 import os
 
 os.environ["XLA_FLAGS"] = (
@@ -16,10 +17,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # A persistent compilation cache for this test session only: tests that build their own
 # jitted steps over the same configs (and the subprocesses they start) compile each
-# program once.
-_COMPILE_CACHE = tempfile.mkdtemp(prefix="k25jax_test_jax_cache_")
-atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _COMPILE_CACHE)
+# program once. The process that starts the session makes it; its xdist workers and their
+# subprocesses inherit it through the environment.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _COMPILE_CACHE = tempfile.mkdtemp(prefix="k25jax_test_jax_cache_")
+  atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _COMPILE_CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
@@ -28,5 +31,24 @@ import jax  # noqa: E402  (must follow the XLA_FLAGS above)
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+# The test files that take longest (measured with --durations), first: pytest-xdist hands
+# whole files to its workers in collection order, and a long file started last would keep one
+# worker busy after the other has finished.
+LONGEST_FIRST = ("test_recipe.py", "test_stage_multiprocess.py", "test_notebooks.py", "test_stage_rl.py",
+                 "test_stage_parl.py", "test_aot_compile.py", "test_stage_rl_vision.py", "test_stage_sft.py",
+                 "test_stage_multimodal.py", "test_media_shards.py", "test_main.py")
+MAX_WORKERS = 4
+
+
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: end-to-end runs (still run in CI)")
+  config.addinivalue_line("markers", "slow: end-to-end runs (still run in CI)")
+
+
+def pytest_xdist_auto_num_workers(config):
+  """`-n auto`: a worker a core, at most MAX_WORKERS (each holds 8 host devices' programs)."""
+  return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
+
+
+def pytest_collection_modifyitems(config, items):
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))

@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOW_EFFORT = {"exec_time_optimization_effort": -1.0, "memory_fitting_effort": -1.0}
 
 
+@pytest.mark.slow
 def test_small_preset_train_step_compiles_for_v5p_2x2x1(monkeypatch):
   monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")      # other test processes may hold libtpu's lock
   monkeypatch.syspath_prepend(os.path.join(ROOT, "experiments"))

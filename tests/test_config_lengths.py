@@ -1,16 +1,12 @@
 """Lengths that follow the run: every config file, at any `train.steps`, passes the checks
 `python -m k25jax.main` runs before anything is built (`main.check_fields`, then the stage's
-`check`); a length the user sets that the run cannot hold fails in one line, exit status 2."""
-import os
-import subprocess
-import sys
-
+`check`); a length the user sets that the run cannot hold fails them (on the command line: one
+line, exit status 2, tests/test_train_faults.py)."""
 import pytest
 from config_files import load_config
 
 from k25jax import main
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
 CONFIG_FILES = [
     ("configs/pretrain.py", preset) for preset in ("tiny", "small", "joint", "k25", "k25,joint")] + [
     ("configs/vit.py", "tiny"), ("configs/midtrain.py", "tiny"), ("configs/midtrain.py", "k25"),
@@ -85,15 +81,3 @@ def test_a_length_the_user_sets_is_kept_and_checked():
   vit.train.steps = 100
   with pytest.raises(ValueError, match=r"vit.projector_only_from=150 must lie in \[0, train.steps=100\]"):
     check(vit)
-
-
-def test_a_run_too_short_for_a_set_length_fails_in_one_line_before_anything_is_built(tmp_path):
-  result = subprocess.run(
-      [sys.executable, "-m", "k25jax.main", "--config=configs/pretrain.py", "--config.train.steps=10",
-       "--config.optimizer.warmup_steps=50", f"--workdir={tmp_path}"],
-      cwd=ROOT, capture_output=True, text=True, timeout=300,
-      env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu"))
-  assert result.returncode == 2, result.stderr[-2000:]
-  assert result.stderr.strip().splitlines() == ["error: config: optimizer.warmup_steps=50 + optimizer.decay_steps=8 exceed the run's 10 "
-                    "updates (train.steps); lower them, or leave them to follow the run"]
-  assert not os.listdir(tmp_path)

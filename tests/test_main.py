@@ -19,12 +19,6 @@ def main(*flags, devices=1):
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_unknown_config_field_fails_naming_it():
-  result = main("--config.train.bogus_field=1")
-  assert result.returncode != 0
-  assert "bogus_field" in result.stderr
-
-
 def test_mesh_that_does_not_fit_the_devices_fails_clearly(tmp_path):
   result = main("--config.mesh.data=3", f"--workdir={tmp_path}", devices=2)
   assert result.returncode != 0

@@ -95,6 +95,7 @@ def step_on(batch, mesh_sizes, devices):
     return jax.device_get(metrics), jax.device_get(state.params), compiled.as_text()
 
 
+@pytest.mark.slow
 def test_sharded_media_step_equals_replicated_and_stays_local():
   host = joint_batches(shards=4, ratio=0.5)[0]
   flat = multimodal.device_features(host, CFG, 512)

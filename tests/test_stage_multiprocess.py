@@ -8,7 +8,9 @@ zero-vision SFT with visual examples (the image batches, then tool rollouts with
 without the image); and vision RL from an SFT start trained here (image prompts encoded on
 the mesh, the K2.5 loss with the images).
 
-Run as a script, this file is one worker: `single` (one process, 4 devices) or process 0/1.
+The three processes (`single`: one process, 4 devices; process 0 and 1) start once and run
+the five stages in turn, each into its own workdir and metrics file; a test per stage
+compares them. Run as a script, this file is one such worker.
 """
 import os
 import re
@@ -120,29 +122,36 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", ["joint", "vit", "rl", "sft", "rl_vision"])
-def test_two_processes_match_one(tmp_path, stage):
-  init = "-"
-  if stage == "rl":
-    from k25jax.stages import rl
-    config = stage_config("rl")
-    config.mesh.update(data=-1, fsdp=1)
-    init = rl.shared_warm_start(config, str(tmp_path / "warm_start"))
-  if stage == "rl_vision":
-    init = sft_start(str(tmp_path / "sft"))
+STAGES = ("joint", "vit", "rl", "sft", "rl_vision")
+WORKERS = (("single", 4), ("0", 2), ("1", 2))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """The metrics of every stage on every worker, {(who, stage): {name: values}}: the RL warm
+  start and the vision RL's SFT start trained here, then the three workers started together."""
+  from k25jax.stages import rl
+  tmp = tmp_path_factory.mktemp("multiprocess")
+  config = stage_config("rl")
+  config.mesh.update(data=-1, fsdp=1)
+  inits = {"rl": rl.shared_warm_start(config, str(tmp / "warm_start")), "rl_vision": sft_start(str(tmp / "sft"))}
   port = free_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
-  jobs = [("single", 4, tmp_path / "single"), ("0", 2, tmp_path / "pair"), ("1", 2, tmp_path / "pair")]
-  workers = [subprocess.Popen([sys.executable, __file__, stage, who, str(port), str(workdir), str(tmp_path / f"{who}.npz"), init],
+  workers = [subprocess.Popen([sys.executable, __file__, who, str(port), str(tmp), inits["rl"], inits["rl_vision"]],
                               env=dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for who, devices, workdir in jobs]
-  outputs = [w.communicate(timeout=600)[0] for w in workers]
+             for who, devices in WORKERS]
+  outputs = [w.communicate(timeout=1800)[0] for w in workers]
   for w, out in zip(workers, outputs):
     assert w.returncode == 0, out[-3000:]
-  single = dict(np.load(tmp_path / "single.npz"))
+  return {(who, stage): dict(np.load(tmp / f"{who}_{stage}.npz")) for who, _ in WORKERS for stage in STAGES}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", STAGES)
+def test_two_processes_match_one(runs, stage):
+  single = runs["single", stage]
   assert len(single["train/loss"]) == STEPS
   if stage in ("rl", "rl_vision"):      # groups with different rewards: a policy gradient to agree on
     assert 0 < single["train/reward"].min() and single["train/reward"].max() < 1 and single["train/grad_norm"].min() > 1e-2
@@ -153,18 +162,21 @@ def test_two_processes_match_one(tmp_path, stage):
   if stage == "sft":     # the held-out rollouts ran with the images encoded on the mesh
     assert "eval/image_tool/accuracy" in single and single["eval/image_tool/generated_tokens"].min() > 0
   for who in ("0", "1"):
-    got = dict(np.load(tmp_path / f"{who}.npz"))
+    got = runs[who, stage]
     assert sorted(got) == sorted(single)
     for name, values in single.items():     # sampled tokens and rewards equal; float noise of the collectives
       np.testing.assert_allclose(got[name], values, rtol=1e-4, atol=1e-5, err_msg=f"process {who}: {name}")
 
 
 if __name__ == "__main__":
-  stage_name, who, port, workdir, out, init_dir = sys.argv[1:3] + [int(sys.argv[3])] + sys.argv[4:7]
+  who, port, root, rl_init, sft_init = sys.argv[1], int(sys.argv[2]), *sys.argv[3:6]
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   import jax
   jax.config.update("jax_default_matmul_precision", "highest")
   if who != "single":
     jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=int(who))
   assert jax.device_count() == 4, jax.device_count()
-  np.savez(out, **run_stage(stage_name, workdir, "" if init_dir == "-" else init_dir))
+  inits = {"rl": rl_init, "rl_vision": sft_init}
+  for stage_name in STAGES:
+    workdir = os.path.join(root, "single" if who == "single" else "pair", stage_name)
+    np.savez(os.path.join(root, f"{who}_{stage_name}.npz"), **run_stage(stage_name, workdir, inits.get(stage_name, "")))

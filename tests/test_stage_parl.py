@@ -73,6 +73,7 @@ def test_the_chat_switch_is_the_recipe_model_in_the_chat_rendering_and_checks_it
     parl.policies(config, None, None, None, greedy=True, solo=True)
 
 
+@pytest.mark.slow
 def test_the_warm_start_after_init_fine_tunes_the_given_params(tmp_path):
   import jax
   import numpy as np

@@ -155,7 +155,7 @@ def _main(*flags):
 @pytest.mark.parametrize("flag", ["--config.train.checkpoint_every=0", "--config.train.batch=0",
                                   "--config.train.bogus_field=1", "--config.optimizer.name=sgd",
                                   "--config.model.num_hidden_layers=0", "--config.mesh.data=-1",
-                                  "--config.rl.num_generations=1"])
+                                  "--config.rl.num_generations=1", "--config.optimizer.warmup_steps=500"])
 def test_a_bad_config_field_fails_in_one_line_before_anything_runs(flag):
   config = "configs/rl.py" if flag.startswith("--config.rl.") else "configs/pretrain.py"
   extra = ["--config.mesh.fsdp=-1"] if flag == "--config.mesh.data=-1" else []   # two axes take "the rest"

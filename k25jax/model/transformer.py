@@ -164,9 +164,9 @@ class Transformer(nn.Module):
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array, seq_len: int = 8):
-  """Plain (unboxed) parameter pytree of a freshly initialised model."""
-  model = Transformer(cfg)
-  variables = model.init(rng, jnp.zeros((1, seq_len), jnp.int32))
+  """Plain (unboxed) parameter pytree of a freshly initialised model (one jitted init: op by
+  op, the tiny preset's init takes seconds)."""
+  variables = jax.jit(lambda key: Transformer(cfg).init(key, jnp.zeros((1, seq_len), jnp.int32)))(rng)
   return nn.meta.unbox(variables["params"])
 
 
