@@ -1,5 +1,5 @@
 """Test set-up: 8 host devices so every sharding path is exercised on CPU; pytest-xdist
-workers (pytest.ini) share one compilation cache and get the longest test files first."""
+workers (pytest.ini) share one compilation cache."""
 import os
 
 os.environ["XLA_FLAGS"] = (
@@ -31,12 +31,6 @@ import jax  # noqa: E402  (must follow the XLA_FLAGS above)
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-# The test files that take longest (measured with --durations), first: pytest-xdist hands
-# whole files to its workers in collection order, and a long file started last would keep one
-# worker busy after the other has finished.
-LONGEST_FIRST = ("test_recipe.py", "test_stage_multiprocess.py", "test_notebooks.py", "test_stage_rl.py",
-                 "test_stage_parl.py", "test_aot_compile.py", "test_stage_rl_vision.py", "test_stage_sft.py",
-                 "test_stage_multimodal.py", "test_media_shards.py", "test_main.py")
 MAX_WORKERS = 4
 
 
@@ -47,8 +41,3 @@ def pytest_configure(config):
 def pytest_xdist_auto_num_workers(config):
   """`-n auto`: a worker a core, at most MAX_WORKERS (each holds 8 host devices' programs)."""
   return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
-
-
-def pytest_collection_modifyitems(config, items):
-  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-  items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))
