@@ -103,6 +103,16 @@ def follow_the_run(c: ml_collections.ConfigDict, updates=None) -> None:
   cadence_fit_to_run(c.train)
 
 
+def rl_follow_the_run(c: ml_collections.ConfigDict) -> None:
+  """An RL stage's lengths that follow the run: the policy's schedule over train.steps ×
+  rl.minibatches updates and its cadences (`follow_the_run`), and the built-in warm start's
+  schedule and cadence over warm_start.steps, where the config has one."""
+  follow_the_run(c, updates=c.train.get_ref("steps") * c.rl.get_ref("minibatches"))
+  if "warm_start" in c:
+    schedule_fit_to_run(c.warm_start.optimizer, c.warm_start.get_ref("steps"))
+    cadence_fit_to_run(c.warm_start)
+
+
 def preset_and_switches(arg, path: str, presets: tuple[str, ...], switches: tuple[str, ...] = ()
                         ) -> tuple[str, set[str]]:
   """`arg` = "preset[,switch,...]" (default: the first preset) → (preset, switches); an

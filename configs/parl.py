@@ -83,11 +83,7 @@ def get_config(arg=None):
   c.train = ml_collections.ConfigDict(dict(
       steps=80, log_every=10, eval_every=20, checkpoint_every=40, keep_checkpoints=2, seed=0, router_bias_rate=1e-3,
       max_consecutive_skipped=10))
-  # Lengths that follow the run (common.follow_the_run): the schedule over train.steps × rl.minibatches
-  # updates, the λ anneal over iterations, the warm start's over warm_start.steps.
-  steps = c.train.get_ref("steps")
-  common.follow_the_run(c, updates=steps * c.rl.get_ref("minibatches"))
-  c.parl.anneal_steps = common.fit_to_run(c.parl.anneal_steps, steps, c.train.steps, at_least=1)
-  common.schedule_fit_to_run(c.warm_start.optimizer, c.warm_start.get_ref("steps"))
-  common.cadence_fit_to_run(c.warm_start)
+  # Lengths that follow the run (common.rl_follow_the_run), and the λ anneal over iterations.
+  common.rl_follow_the_run(c)
+  c.parl.anneal_steps = common.fit_to_run(c.parl.anneal_steps, c.train.get_ref("steps"), c.train.steps, at_least=1)
   return c

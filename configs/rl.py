@@ -101,15 +101,9 @@ def get_config(arg=None):
 
 
 def follow_the_run(c: ml_collections.ConfigDict) -> None:
-  """Lengths that follow the run (`common.follow_the_run`): the policy's schedule over
-  train.steps × rl.minibatches updates, Toggle's phase over iterations; the warm start's over
-  warm_start.steps."""
-  steps = c.train.get_ref("steps")
-  common.follow_the_run(c, updates=steps * c.rl.get_ref("minibatches"))
-  c.toggle.m = common.fit_to_run(c.toggle.m, steps, c.train.steps, at_least=1)
-  if "warm_start" in c:
-    common.schedule_fit_to_run(c.warm_start.optimizer, c.warm_start.get_ref("steps"))
-    common.cadence_fit_to_run(c.warm_start)
+  """Lengths that follow the run (`common.rl_follow_the_run`), and Toggle's phase over iterations."""
+  common.rl_follow_the_run(c)
+  c.toggle.m = common.fit_to_run(c.toggle.m, c.train.get_ref("steps"), c.train.steps, at_least=1)
 
 
 def toggle_section(enabled: bool, budget_samples: int) -> ml_collections.ConfigDict:
