@@ -1,4 +1,5 @@
 """experiments/interleave.py: the page faults it records beside the step times."""
+import mmap
 import os
 import sys
 
@@ -11,11 +12,15 @@ import interleave  # noqa: E402
 
 def test_minor_page_faults_count_fresh_pages_not_reused_ones():
   """A call that writes 64 MiB of freshly mapped memory faults its pages in (16,384 of 4 KiB, or far
-  fewer huge pages); writing into memory already touched faults nothing."""
+  fewer huge pages); writing into memory already touched faults nothing. The fresh memory is an
+  anonymous mmap of its own: a numpy array that size may come from malloc's heap, which in a
+  long-lived test worker can hold 64 MiB already touched by an earlier test."""
   kept = np.ones(1 << 20, np.float32)
 
   def fresh():
-    np.ones(64 << 18, np.float32)                     # 64 MiB: above glibc's mmap threshold, mapped anew
+    pages = mmap.mmap(-1, 64 << 20)
+    np.frombuffer(pages, np.float32).fill(1.0)
+    pages.close()
 
   def reused():
     kept.fill(2.0)
