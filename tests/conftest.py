@@ -1,19 +1,20 @@
-"""Test set-up: 8 host devices so every sharding path is exercised on CPU; pytest-xdist
-workers (pytest.ini) share one compilation cache."""
+"""Test set-up: 8 host devices so every sharding path is exercised on CPU, compiled with
+cpu_env.COMPILE_FLAGS; pytest-xdist workers (pytest.ini) share one compilation cache."""
 import os
+import sys
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+# The checkout first on sys.path: config files, and tests, import `configs.common`.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from cpu_env import xla_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import atexit  # noqa: E402
 import shutil  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
-
-# The checkout first on sys.path: config files, and tests, import `configs.common`.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # A persistent compilation cache for this test session only: tests that build their own
 # jitted steps over the same configs (and the subprocesses they start) compile each

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from cpu_env import subprocess_env
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 MICRO = ["--config.model.num_hidden_layers=2", "--config.model.vocab_size=512", "--config.model.hidden_size=64",
@@ -14,7 +15,7 @@ MICRO = ["--config.model.num_hidden_layers=2", "--config.model.vocab_size=512", 
 
 
 def main(*flags, devices=1):
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+  env = subprocess_env(devices)
   return subprocess.run([sys.executable, "-m", "k25jax.main", "--config=configs/pretrain.py", *flags],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 

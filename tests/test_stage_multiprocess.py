@@ -20,6 +20,7 @@ import sys
 
 import numpy as np
 import pytest
+from cpu_env import xla_flags
 
 MICRO_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                   num_hidden_layers=2, num_attention_heads=2, n_routed_experts=4, num_experts_per_tok=2,
@@ -139,7 +140,7 @@ def runs(tmp_path_factory):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
   workers = [subprocess.Popen([sys.executable, __file__, who, str(port), str(tmp), inits["rl"], inits["rl_vision"]],
-                              env=dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"),
+                              env=dict(env, XLA_FLAGS=xla_flags(devices)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for who, devices in WORKERS]
   outputs = [w.communicate(timeout=1800)[0] for w in workers]

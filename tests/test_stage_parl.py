@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from cpu_env import subprocess_env
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -16,7 +17,7 @@ def test_main_command_runs_parl_and_prints_the_summary(tmp_path):
                "--config.warm_start.optimizer.decay_steps=5", "--config.train.steps=2",
                "--config.rl.prompts_per_iteration=4", "--config.rl.num_generations=2", "--config.train.eval_every=2",
                "--config.parl.eval_tasks=8", "--config.parl.anneal_steps=2", "--config.optimizer.warmup_steps=1"]
-  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  env = subprocess_env()
   out = subprocess.run([sys.executable, "-m", "k25jax.main", "--config=configs/parl.py", f"--workdir={tmp_path}",
                         *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-3000:]

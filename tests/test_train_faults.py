@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from cpu_env import subprocess_env
 
 from k25jax.train import checkpoint, loop, state as state_lib
 from test_train_step import micro_config, random_batch
@@ -147,7 +148,7 @@ def test_the_guard_stops_after_the_limit_naming_the_last_good_checkpoint():
 
 
 def _main(*flags):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+  env = subprocess_env(1)
   return subprocess.run([sys.executable, "-m", "k25jax.main", *flags], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=600)
 

@@ -11,6 +11,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from cpu_env import subprocess_env
 from jax.experimental import multihost_utils
 
 from k25jax.model import transformer
@@ -51,7 +52,7 @@ def test_two_processes_match_one(tmp_path):
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+  env = subprocess_env(2)
   env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
   workers = [subprocess.Popen([sys.executable, __file__, str(i), str(port), str(tmp_path / f"out{i}.npz")],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

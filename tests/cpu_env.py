@@ -1,0 +1,24 @@
+"""The XLA:CPU set-up of the tests and of the processes they start.
+
+`COMPILE_FLAGS`: LLVM at optimisation level 1 instead of 2. Most of a tiny test is XLA
+compilation, and the backend's LLVM passes are a large part of it: the five stages of
+tests/test_stage_multiprocess.py in one process took 208 CPU-s at the default level and
+164 at level 1, while a 250-step warm start ran no slower (32 against 36 CPU-s; level 0
+compiled faster still, 136, but ran that warm start at 52). The level changes how the
+host code is scheduled, not what it computes: XLA's own passes (fusion, SPMD partitioning,
+collectives) run as they do for users, and LLVM keeps IEEE float semantics at every level.
+"""
+import os
+
+COMPILE_FLAGS = "--xla_backend_optimization_level=1"
+
+
+def xla_flags(devices: int | None = None) -> str:
+  """XLA_FLAGS for a test process: `devices` host devices (None: the platform's one)."""
+  count = "" if devices is None else f" --xla_force_host_platform_device_count={devices}"
+  return COMPILE_FLAGS + count
+
+
+def subprocess_env(devices: int | None = None, **extra) -> dict:
+  """This process's environment for a CPU subprocess with `devices` host devices."""
+  return dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu", **extra)
