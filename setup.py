@@ -17,7 +17,7 @@ setup(
         "orbax-checkpoint",
         "grain",
         "ml-collections",
-        "tensorboardX",
+        "tensorboard",     # event files (k25jax/train/loop.py); tensorboardX imported torch where installed
         "safetensors",
         "ml_dtypes",       # bfloat16 / float8 arrays in k25jax/convert/safetensors_io.py
         "regex",           # the tiktoken vocabulary's pre-tokenizer (k25jax/data/tokenizer.py)

@@ -1,10 +1,10 @@
 """The generic loop: when it logs, evaluates and saves, and how it reports skipped steps."""
-import glob
 import logging
 import os
 
 import jax.numpy as jnp
 import numpy as np
+from tensorboard.backend.event_processing import event_accumulator
 
 from k25jax.train import loop
 from k25jax.train.state import TrainState
@@ -38,7 +38,10 @@ def test_schedule_of_logs_evals_saves_and_skip_warning(tmp_path, caplog):
   warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
   assert len(warnings) == 1 and "up to step 8" in warnings[0] and "non-finite" in warnings[0]
   assert any("step 10/10" in r.getMessage() and "ETA" in r.getMessage() for r in caplog.records)
-  assert glob.glob(os.path.join(tmp_path, "tensorboard", "events.out.tfevents.*"))
+  events = event_accumulator.EventAccumulator(os.path.join(tmp_path, "tensorboard"))   # tensorboard's own reader
+  events.Reload()
+  assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == [(5, 5.0), (10, 10.0)]
+  assert [e.step for e in events.Scalars("train/loss")] == [4, 8, 10]
 
 
 def test_evaluate_weights_by_tokens():

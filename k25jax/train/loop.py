@@ -13,22 +13,25 @@ from typing import Callable, Iterable
 import jax
 import numpy as np
 from absl import logging
-from tensorboardX import SummaryWriter
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 
 class MetricWriter:
-  """TensorBoard scalars, from process 0 only; non-finite values (e.g. a rate with no
-  events) are left out."""
+  """TensorBoard scalars (`tensorboard`'s event files: an Event per scalar, its Summary's
+  `simple_value`), from process 0 only; non-finite values (e.g. a rate with no events) are
+  left out."""
 
   def __init__(self, workdir: str):
-    self.writer = SummaryWriter(os.path.join(workdir, "tensorboard")) if jax.process_index() == 0 else None
+    self.writer = (EventFileWriter(os.path.join(workdir, "tensorboard")) if jax.process_index() == 0 else None)
 
   def write(self, step: int, scalars: dict, prefix: str) -> None:
     if self.writer is None:
       return
-    for name, value in scalars.items():
-      if np.isfinite(value):
-        self.writer.add_scalar(f"{prefix}/{name}", float(value), step)
+    values = [summary_pb2.Summary.Value(tag=f"{prefix}/{name}", simple_value=float(value))
+              for name, value in scalars.items() if np.isfinite(value)]
+    self.writer.add_event(event_pb2.Event(wall_time=time.time(), step=int(step),
+                                          summary=summary_pb2.Summary(value=values)))
     self.writer.flush()
 
   def close(self) -> None:
