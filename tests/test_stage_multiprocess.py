@@ -10,7 +10,8 @@ the mesh, the K2.5 loss with the images).
 
 The three processes (`single`: one process, 4 devices; process 0 and 1) start once and run
 the five stages in turn, each into its own workdir and metrics file; a test per stage
-compares them. Run as a script, this file is one such worker.
+compares them: every logged metric, and the params of the last checkpoint (the pair's saved
+by both processes together). Run as a script, this file is one such worker.
 """
 import os
 import re
@@ -146,13 +147,30 @@ def runs(tmp_path_factory):
   outputs = [w.communicate(timeout=1800)[0] for w in workers]
   for w, out in zip(workers, outputs):
     assert w.returncode == 0, out[-3000:]
-  return {(who, stage): dict(np.load(tmp / f"{who}_{stage}.npz")) for who, _ in WORKERS for stage in STAGES}
+  metrics = {(who, stage): dict(np.load(tmp / f"{who}_{stage}.npz")) for who, _ in WORKERS for stage in STAGES}
+  return metrics, {who: str(tmp / who) for who in ("single", "pair")}
+
+
+def final_params(workdir: str) -> dict[str, np.ndarray]:
+  """The params of the run's newest checkpoint by path, restored onto one device whatever mesh saved them."""
+  import jax
+  import orbax.checkpoint as ocp
+  from k25jax.train import checkpoint
+  directory = os.path.join(workdir, "checkpoints")
+  step = max(int(name) for name in os.listdir(directory) if name.isdigit())
+  saved = ocp.PyTreeCheckpointer().metadata(os.path.join(directory, str(step), "state")).item_metadata["params"]
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved,
+                        is_leaf=lambda m: hasattr(m, "shape"))
+  params = jax.device_get(checkpoint.restore_params(workdir, target))
+  return {jax.tree_util.keystr(path): np.asarray(x) for path, x in jax.tree_util.tree_leaves_with_path(params)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_two_processes_match_one(runs, stage):
-  single = runs["single", stage]
+  metrics, workdirs = runs
+  single = metrics["single", stage]
   assert len(single["train/loss"]) == STEPS
   if stage in ("rl", "rl_vision"):      # groups with different rewards: a policy gradient to agree on
     assert 0 < single["train/reward"].min() and single["train/reward"].max() < 1 and single["train/grad_norm"].min() > 1e-2
@@ -163,10 +181,17 @@ def test_two_processes_match_one(runs, stage):
   if stage == "sft":     # the held-out rollouts ran with the images encoded on the mesh
     assert "eval/image_tool/accuracy" in single and single["eval/image_tool/generated_tokens"].min() > 0
   for who in ("0", "1"):
-    got = runs[who, stage]
+    got = metrics[who, stage]
     assert sorted(got) == sorted(single)
     for name, values in single.items():     # sampled tokens and rewards equal; float noise of the collectives
       np.testing.assert_allclose(got[name], values, rtol=1e-4, atol=1e-5, err_msg=f"process {who}: {name}")
+    if stage in ("joint", "vit"):
+      np.testing.assert_allclose(got["train/loss"], single["train/loss"], rtol=1e-5)
+  reference = final_params(os.path.join(workdirs["single"], stage))
+  pair = final_params(os.path.join(workdirs["pair"], stage))
+  assert sorted(pair) == sorted(reference)
+  for name, value in reference.items():
+    np.testing.assert_allclose(pair[name], value, rtol=1e-4, atol=2e-5, err_msg=name)
 
 
 if __name__ == "__main__":

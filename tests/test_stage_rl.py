@@ -108,11 +108,13 @@ def test_unknown_loss_is_refused():
 
 @pytest.mark.slow
 def test_rl_raises_held_out_accuracy(tmp_path):
-  config = load_config("configs/rl.py")
-  # 20 iterations: held-out sampled accuracy 0.166 -> 0.275 (0.266 at 15, 0.311 at 50) on the
-  # 8 test devices; evaluated every 5 iterations, 10 of them were not yet past the margin (+0.059).
-  config.train.steps = 20
-  config.train.eval_every = 20
+  # The compact rendering (17 ids): held-out sampled accuracy 0.256 -> 0.299, 0.332, 0.391, 0.408
+  # at 5, 10, 15, 20 iterations on the 8 test devices. The chat rendering learns slower and its
+  # warm start moves with float noise: 0.166 -> 0.275 at 20 iterations under LLVM's default level,
+  # 0.229 -> 0.262 at 20 and 0.295 at 40 under the tests' (tests/cpu_env.py).
+  config = load_config("configs/rl.py", "tiny,compact")
+  config.train.steps = 15
+  config.train.eval_every = 15
   state, history = rl.run(config, str(tmp_path))
   evals = [h for h in history if h["split"] == "eval"]
   start, end = evals[0]["accuracy"], evals[-1]["accuracy"]
