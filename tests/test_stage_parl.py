@@ -12,11 +12,12 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 @pytest.mark.slow
 def test_main_command_runs_parl_and_prints_the_summary(tmp_path):
-  overrides = ["--config.warm_start.steps=20", "--config.warm_start.demonstrations=300",
-               "--config.warm_start.batch=32", "--config.warm_start.optimizer.warmup_steps=5",
-               "--config.warm_start.optimizer.decay_steps=5", "--config.train.steps=2",
-               "--config.rl.prompts_per_iteration=4", "--config.rl.num_generations=2", "--config.train.eval_every=2",
-               "--config.parl.eval_tasks=8", "--config.parl.anneal_steps=2", "--config.optimizer.warmup_steps=1"]
+  overrides = ["--config.warm_start.steps=10", "--config.warm_start.demonstrations=100",   # colab/parl.ipynb's smoke
+               "--config.warm_start.batch=32", "--config.warm_start.optimizer.warmup_steps=2",
+               "--config.warm_start.optimizer.decay_steps=4", "--config.train.steps=2",
+               "--config.rl.prompts_per_iteration=2", "--config.rl.num_generations=2", "--config.train.eval_every=2",
+               "--config.parl.eval_tasks=2", "--config.parl.anneal_steps=1", "--config.optimizer.warmup_steps=1",
+               "--config.parl.subagent_turn_tokens=24"]
   env = subprocess_env()
   out = subprocess.run([sys.executable, "-m", "k25jax.main", "--config=configs/parl.py", f"--workdir={tmp_path}",
                         *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

@@ -153,17 +153,25 @@ def _main(*flags):
                         text=True, timeout=600)
 
 
-@pytest.mark.parametrize("flag", ["--config.train.checkpoint_every=0", "--config.train.batch=0",
-                                  "--config.train.bogus_field=1", "--config.optimizer.name=sgd",
-                                  "--config.model.num_hidden_layers=0", "--config.mesh.data=-1",
-                                  "--config.rl.num_generations=1", "--config.optimizer.warmup_steps=500"])
-def test_a_bad_config_field_fails_in_one_line_before_anything_runs(flag):
-  config = "configs/rl.py" if flag.startswith("--config.rl.") else "configs/pretrain.py"
-  extra = ["--config.mesh.fsdp=-1"] if flag == "--config.mesh.data=-1" else []   # two axes take "the rest"
-  result = _main(f"--config={config}", flag, *extra, "--workdir=/nonexistent/never_created")
-  lines = result.stderr.strip().splitlines()
-  assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
-  assert flag.split("=")[0].removeprefix("--config.").split(".")[-1] in lines[0] or "mesh" in lines[0]
+BAD_FIELDS = ["--config.train.checkpoint_every=0", "--config.train.batch=0", "--config.train.bogus_field=1",
+              "--config.optimizer.name=sgd", "--config.model.num_hidden_layers=0", "--config.mesh.data=-1",
+              "--config.rl.num_generations=1", "--config.optimizer.warmup_steps=500"]
+
+
+def test_a_bad_config_field_fails_in_one_line_before_anything_runs():
+  """Each bad field in its own `main` process (all started at once: most of each is importing jax)."""
+  processes = {}
+  for flag in BAD_FIELDS:
+    config = "configs/rl.py" if flag.startswith("--config.rl.") else "configs/pretrain.py"
+    extra = ["--config.mesh.fsdp=-1"] if flag == "--config.mesh.data=-1" else []   # two axes take "the rest"
+    processes[flag] = subprocess.Popen(
+        [sys.executable, "-m", "k25jax.main", f"--config={config}", flag, *extra, "--workdir=/nonexistent/never_created"],
+        cwd=ROOT, env=subprocess_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  for flag, process in processes.items():
+    _, stderr = process.communicate(timeout=600)
+    lines = stderr.strip().splitlines()
+    assert process.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (flag, stderr[-2000:])
+    assert flag.split("=")[0].removeprefix("--config.").split(".")[-1] in lines[0] or "mesh" in lines[0], flag
 
 
 @pytest.mark.slow
