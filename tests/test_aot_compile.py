@@ -68,6 +68,7 @@ def _tiny_compile(monkeypatch, path, preset, overrides, compile_fn):
 POD_PATH = ("scan_layers=True", "moe_impl=ragged_dot", "attention_impl=pallas")
 
 
+@pytest.mark.slow
 def test_midtrain_step_compiles_with_the_flash_kernel_on_rows_split_along_sequence(monkeypatch):
   overrides = [f"model.text.{o}" for o in POD_PATH + ("num_hidden_layers=2",)] + [
       "train.batch=2", "train.seq_len=512", "long_context.original_context=128"]
@@ -78,6 +79,7 @@ def test_midtrain_step_compiles_with_the_flash_kernel_on_rows_split_along_sequen
   assert row["collectives"]["all-to-all"] > 0 and row["collectives"]["ragged-all-to-all"] >= 4
 
 
+@pytest.mark.slow
 def test_joint_step_compiles_with_media_sharded_over_the_data_shards(monkeypatch):
   """The tiny K2.5 joint step with 4 media shards, one a chip, and the vision flash kernel:
   nothing is gathered over `data` (each chip encodes its own pixels); the gradients are
@@ -90,6 +92,7 @@ def test_joint_step_compiles_with_media_sharded_over_the_data_shards(monkeypatch
   assert row["pallas_calls"] == 6
 
 
+@pytest.mark.slow
 def test_rl_update_step_compiles_for_the_driver(monkeypatch):
   overrides = [f"model.{o}" for o in POD_PATH] + ["rl.max_new_tokens=256", "rl.prompts_per_iteration=2",
                                                   "rl.minibatches=2"]
@@ -98,6 +101,7 @@ def test_rl_update_step_compiles_for_the_driver(monkeypatch):
   assert row["fits"] and row["pallas_calls"] >= 3 and row["collectives"]["ragged-all-to-all"] >= 4
 
 
+@pytest.mark.slow
 def test_pallas_moe_kernels_compile_with_mosaic_on_each_chips_tokens(monkeypatch):
   """moe_impl=pallas without expert parallelism (fsdp 2 × sequence 2): the routing kernel and the
   expert layer's sort and grouped matmuls run in their shard_maps on each chip's tokens, so

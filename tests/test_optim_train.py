@@ -1,6 +1,7 @@
 """`optimizer.name='muonclip'` in the pretrain stage: Muon update, then QK-Clip, on 8 devices."""
 import jax
 import numpy as np
+import pytest
 
 from k25jax.model import transformer
 from k25jax.stages import pretrain
@@ -10,6 +11,7 @@ from test_train_step import micro_config, random_batch
 TAU = 1e-3   # below every head's logit at initialisation: every head is clipped
 
 
+@pytest.mark.slow
 def test_muonclip_step_clips_every_head_and_logs_it():
   config = micro_config()
   config.optimizer.update(name="muonclip", qk_clip_tau=TAU)

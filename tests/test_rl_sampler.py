@@ -23,6 +23,7 @@ def params():
   return transformer.init_params(CFG, jax.random.PRNGKey(0))
 
 
+@pytest.mark.slow
 def test_cached_greedy_equals_argmax_of_full_forward(params):
   out = sampler.generate(CFG, params, PROMPTS, LENGTHS, jax.random.PRNGKey(0),
                          sampler.SamplingConfig(max_new_tokens=8, temperature=0))

@@ -3,6 +3,7 @@ import concurrent.futures
 import fcntl
 import os
 
+import pytest
 from config_files import load_config
 from k25jax.stages import rl
 
@@ -22,6 +23,7 @@ def test_the_key_follows_the_warm_start_not_the_rl_settings():
   assert rl.warm_start_key(rl_changed) == rl.warm_start_key(_config()) != rl.warm_start_key(warm_changed)
 
 
+@pytest.mark.slow
 def test_the_warm_start_is_trained_once_and_then_reused(tmp_path):
   root = str(tmp_path)
   first = rl.shared_warm_start(_config(), root)

@@ -166,6 +166,16 @@ def final_params(workdir: str) -> dict[str, np.ndarray]:
   return {jax.tree_util.keystr(path): np.asarray(x) for path, x in jax.tree_util.tree_leaves_with_path(params)}
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_micro_configs_pass_their_stages_checks(stage):
+  """What the workers run is a valid run of the stage: its fields and its stage's own check."""
+  from k25jax.stages import pretrain, rl, rl_vision, sft, vit
+  from k25jax.train import config_check
+  config = stage_config(stage, init="/a/warm_start")
+  config_check.validate(config)
+  {"joint": pretrain, "rl": rl, "sft": sft, "rl_vision": rl_vision, "vit": vit}[stage].check(config)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_two_processes_match_one(runs, stage):

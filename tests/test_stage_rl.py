@@ -52,6 +52,7 @@ def test_training_path_recomputes_the_samplers_logprobs():
   np.testing.assert_allclose(np.asarray(logp) * batch["mask"], batch["old_logp"], atol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer_name", ["muonclip", "adamw"])
 def test_a_minibatch_without_advantages_leaves_the_state_alone(optimizer_name):
   """Every group's rewards equal: the gradient is float noise (π = π_old), which Muon would

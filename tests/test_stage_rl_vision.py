@@ -33,6 +33,7 @@ def _start(config, tmp_path) -> str:
   return str(start)
 
 
+@pytest.mark.slow
 def test_vision_rl_trains_on_image_prompts(tmp_path):
   config = _small(load_config("configs/rl.py", "vision"))
   config.init.checkpoint = _start(config, tmp_path)
@@ -81,6 +82,7 @@ def test_joint_tasks_interleave_kinds_and_keep_text_tasks_imageless():
     rl_vision.parse_kinds("addition,juggle")
 
 
+@pytest.mark.slow
 def test_joint_rl_mixes_text_and_image_tasks_and_logs_abilities(tmp_path):
   """One run over addition (text only) and counting (an image): minibatches of one group each,
   so some updates are text-only and some carry an image; accuracy and length per ability."""
@@ -104,6 +106,7 @@ def test_joint_rl_mixes_text_and_image_tasks_and_logs_abilities(tmp_path):
       assert 0.0 <= h[f"greedy_{ability}/accuracy"] <= 1.0
 
 
+@pytest.mark.slow
 def test_joint_rl_with_toggle_fixes_budgets_from_the_start_and_alternates_phases(tmp_path):
   config = _small(load_config("configs/rl.py", "joint,toggle"))
   config.task.kinds = "addition,count"

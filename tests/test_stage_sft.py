@@ -47,6 +47,7 @@ def test_visual_rows_carry_their_images_in_placeholder_order():
   np.testing.assert_array_equal(again["pixel_values"], batch["pixel_values"])   # the step fixes the batch
 
 
+@pytest.mark.slow
 def test_short_run_trains_evaluates_and_resumes(tmp_path):
   config = _small(load_config("configs/sft.py"))
   state, history = sft.run(config, str(tmp_path))
@@ -79,6 +80,7 @@ def test_arithmetic_examples_are_chat_sums_and_held_out_sums_are_unseen():
   assert len(held_out) == config.eval.tasks and not {(t.a, t.b) for t in held_out} & seen
 
 
+@pytest.mark.slow
 def test_run_with_arithmetic_evaluates_held_out_sums(tmp_path):
   config = _small(load_config("configs/sft.py", "tiny,arithmetic"))
   config.data.arithmetic_examples = 32

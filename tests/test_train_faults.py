@@ -114,6 +114,7 @@ def test_a_write_that_fails_midway_leaves_the_previous_file_whole(tmp_path):
   assert os.listdir(tmp_path) == ["toggle_budgets.npy"]
 
 
+@pytest.mark.slow
 def test_an_update_that_makes_the_state_non_finite_is_skipped():
   """Loss and gradients are finite, but lr = 1e39 (inf in float32) makes the new params inf."""
   from k25jax.model import transformer

@@ -35,6 +35,7 @@ def reference():
 
 @pytest.mark.parametrize("layout", [dict(data=2, fsdp=2, expert=2), dict(fsdp=2, sequence=2, tensor=2)],
                          ids=["data2-fsdp2-expert2", "fsdp2-sequence2-tensor2"])
+@pytest.mark.slow
 def test_eight_devices_match_one(reference, layout):
   ref_state, ref_losses = reference
   state, losses = train(layout, 8)

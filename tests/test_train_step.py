@@ -48,6 +48,7 @@ def setup():
   return config, model, mesh, create, step
 
 
+@pytest.mark.slow
 def test_non_finite_gradient_skips_the_update(setup):
   _, _, mesh, create, step = setup
   bad = random_batch()
@@ -66,6 +67,7 @@ def test_non_finite_gradient_skips_the_update(setup):
   assert max(jax.tree.leaves(moved)) > 0
 
 
+@pytest.mark.slow
 def test_router_bias_follows_the_load_not_the_optimizer(setup):
   config, model, mesh, create, step = setup
   batch = random_batch(2)
