@@ -36,7 +36,8 @@ MAX_WORKERS = 4
 
 
 def pytest_configure(config):
-  config.addinivalue_line("markers", "slow: end-to-end runs (still run in CI)")
+  config.addinivalue_line("markers", "slow: stage runs, multi-device comparisons, pod compiles: over ~10 s each on 2 "
+                          "cores; CI runs them, the inner loop (-m \"not slow\") does not")
 
 
 def pytest_xdist_auto_num_workers(config):

@@ -204,6 +204,7 @@ def all_gathers_of_expert_weights(hlo: str) -> list[str]:
   return found
 
 
+@pytest.mark.slow
 def test_ep_train_step_has_all_to_all_and_no_all_gather_of_expert_weights():
   from test_train_step import micro_config
   from k25jax.model import transformer

@@ -75,6 +75,7 @@ def test_pallas_decode_equals_xla(params):
   _close(outs[0][1]["max_logits"], outs[1][1]["max_logits"], 1e-5)
 
 
+@pytest.mark.slow
 def test_pallas_kernels_under_a_mesh_equal_xla(params):
   """On fsdp 2 × sequence 2 × tensor 2 (the rows over fsdp and sequence, the heads over sequence
   × tensor): the flash kernel on whole rows of each device's heads, the routing and expert

@@ -35,6 +35,7 @@ def test_bucketed_width_covers_the_longest_rollout_in_few_shapes():
   assert batch["segment_ids"].sum(axis=1).tolist() == [4, 33]          # every position with a target kept
 
 
+@pytest.mark.slow
 def test_training_path_recomputes_the_samplers_logprobs():
   """At θ = θ_old the loss's log π equals what the latent-cache sampler recorded."""
   config = load_config("configs/rl.py")
