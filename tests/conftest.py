@@ -25,6 +25,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _COMPILE_CACHE
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# Runs several test files start from (tests/shared_runs.py), made once for the session in the same way.
+if "K25JAX_TEST_SHARED_DIR" not in os.environ:
+  _SHARED = tempfile.mkdtemp(prefix="k25jax_test_shared_runs_")
+  atexit.register(shutil.rmtree, _SHARED, ignore_errors=True)
+  os.environ["K25JAX_TEST_SHARED_DIR"] = _SHARED
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402  (must follow the XLA_FLAGS above)

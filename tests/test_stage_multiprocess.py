@@ -2,8 +2,8 @@
 each) train exactly as on one process with 4 devices: the ViT stage (both phases) and joint
 pre-training, with their media sharded with the rows; RL with Toggle (the sampler's
 rollouts and budgets, the policy updates and the evaluation, from one warm start trained
-here: after hundreds of steps two runs of it differ by float noise, and sampling at T = 1
-turns that into different tokens);
+once, tests/shared_runs.py's: after hundreds of steps two runs of it differ by float noise,
+and sampling at T = 1 turns that into different tokens);
 zero-vision SFT with visual examples (the image batches, then tool rollouts with and
 without the image); and vision RL from an SFT start trained here (image prompts encoded on
 the mesh, the K2.5 loss with the images).
@@ -21,6 +21,7 @@ import sys
 
 import numpy as np
 import pytest
+import shared_runs
 from cpu_env import xla_flags
 
 MICRO_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -35,12 +36,9 @@ def stage_config(stage: str, init: str = ""):
   from config_files import load_config
   from configs import common
   if stage == "rl":
-    config = load_config("configs/rl.py", "tiny,toggle,compact")    # the warm start answers some prompts right
-    config.warm_start.update(demonstrations=4096, steps=250, batch=64, log_every=250, checkpoint_every=250)
-    config.warm_start.optimizer.update(warmup_steps=10, decay_steps=50)
+    config = shared_runs.compact_toggle_rl_config()    # its warm start answers some prompts right
     config.init.checkpoint = init
     config.optimizer.update(warmup_steps=1)
-    config.task.update(train_prompts=64, eval_prompts=8)
     config.rl.update(prompts_per_iteration=8, num_generations=4, eval_samples=1)
     config.toggle.update(m=1, budget_samples=2)
     config.mesh.update(data=2, fsdp=2)
@@ -130,13 +128,11 @@ WORKERS = (("single", 4), ("0", 2), ("1", 2))
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-  """The metrics of every stage on every worker, {(who, stage): {name: values}}: the RL warm
-  start and the vision RL's SFT start trained here, then the three workers started together."""
-  from k25jax.stages import rl
+  """The metrics of every stage on every worker, {(who, stage): {name: values}}, and the
+  workdirs of the one-process run and of the pair: the RL warm start (shared) and the vision
+  RL's SFT start (trained here) first, then the three workers started together."""
   tmp = tmp_path_factory.mktemp("multiprocess")
-  config = stage_config("rl")
-  config.mesh.update(data=-1, fsdp=1)
-  inits = {"rl": rl.shared_warm_start(config, str(tmp / "warm_start")), "rl_vision": sft_start(str(tmp / "sft"))}
+  inits = {"rl": shared_runs.compact_toggle_warm_start(), "rl_vision": sft_start(str(tmp / "sft"))}
   port = free_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+import shared_runs
 from flax import traverse_util
 
 from k25jax.model import transformer
@@ -132,10 +133,8 @@ def test_rl_raises_held_out_accuracy(tmp_path):
 
 @pytest.mark.slow
 def test_toggle_run_fixes_its_budgets_once_and_resumes_with_them(tmp_path):
-  config = load_config("configs/rl.py", "tiny,toggle")
-  config.warm_start.update(steps=60, demonstrations=2000)
-  config.warm_start.optimizer.update(warmup_steps=10, decay_steps=20)
-  config.task.train_prompts = 64
+  config = shared_runs.compact_toggle_rl_config()
+  config.init.checkpoint = shared_runs.compact_toggle_warm_start()     # the two-process RL comparison's
   config.rl.prompts_per_iteration = 8
   config.train.update(steps=3, eval_every=3, checkpoint_every=2)
   config.toggle.m = 1
