@@ -9,9 +9,11 @@ and that notebook's test fails if the line is not there.
 Every notebook runs in a fresh `python3` kernel (ipykernel) driven by nbclient; any cell
 error fails its test. The kernels do not inherit conftest.py's jax set-up, so their
 environment is given explicitly: CPU, one host device (no forced device count), the tests'
-compile flags (cpu_env.COMPILE_FLAGS), and one
+compile flags (cpu_env.COMPILE_FLAGS), one
 workdir for the session, shared as on a Colab runtime (the RL notebooks share one SFT
-warm start through it, and compiled programs through its jax cache). Most of a smoke run is
+warm start through it), and the test session's jax cache (conftest.py's), which the setup
+cell keeps: parl.ipynb's smoke run and tests/test_stage_parl.py's main command compile
+the same programs, and whichever runs second loads them. Most of a smoke run is
 XLA compilation, which is single-threaded, so two kernels run at a time (longest first)
 to keep both CPU cores busy.
 """
@@ -46,7 +48,7 @@ def _at_smoke(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
 
 
 def _kernel_env(workdir: str) -> dict:
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(), K25JAX_COLAB_WORKDIR=workdir,
              MPLBACKEND="module://matplotlib_inline.backend_inline")
   return env

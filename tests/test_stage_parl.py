@@ -17,7 +17,8 @@ def test_main_command_runs_parl_and_prints_the_summary(tmp_path):
                "--config.warm_start.optimizer.decay_steps=4", "--config.train.steps=2",
                "--config.rl.prompts_per_iteration=2", "--config.rl.num_generations=2", "--config.train.eval_every=2",
                "--config.parl.eval_tasks=2", "--config.parl.anneal_steps=1", "--config.optimizer.warmup_steps=1",
-               "--config.parl.subagent_turn_tokens=24"]
+               "--config.parl.subagent_turn_tokens=24", "--config.train.log_every=1", "--config.train.checkpoint_every=2",
+               "--config.warm_start.checkpoint_every=10"]
   env = subprocess_env()
   out = subprocess.run([sys.executable, "-m", "k25jax.main", "--config=configs/parl.py", f"--workdir={tmp_path}",
                         *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
