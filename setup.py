@@ -20,7 +20,9 @@ setup(
         "tensorboard",     # event files (k25jax/train/loop.py); tensorboardX imported torch where installed
         "safetensors",
         "ml_dtypes",       # bfloat16 / float8 arrays in k25jax/convert/safetensors_io.py
-        "regex",           # the tiktoken vocabulary's pre-tokenizer (k25jax/data/tokenizer.py)
+        "tiktoken",        # Kimi's tiktoken.model (k25jax/data/tokenizer_files.py)
+        "tokenizers",      # HF tokenizer.json files (DeepSeek-V3 family)
+        "regex",           # Kimi's pre-tokenizer pattern outside tiktoken (experiments/bench_tokenizer.py)
         "absl-py",
         "numpy",
         "reasoning-gym",   # offline verifiable tasks (k25jax/rl/tasks.py)

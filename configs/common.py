@@ -36,8 +36,8 @@ import ml_collections
 
 from k25jax.model import config as model_config
 
-# The tiny K2.5 chat model of the sft and rl_vision stages: a ~0.5M-param K2 decoder over the
-# chat vocabulary (bytes, media, role and tool tokens: 268 ids, `k25jax.data.chat`), long
+# The tiny chat model of the sft and rl_vision stages: a ~0.5M-param K2 decoder over the
+# chat vocabulary (bytes, media, role and tool tokens: 268 ids, `k25jax.data.legacy_chat`), long
 # enough for the zero-vision trajectories and a few tool turns.
 CHAT_VOCAB_SIZE = 268
 TINY_CHAT_TEXT = dict(vocab_size=CHAT_VOCAB_SIZE, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,

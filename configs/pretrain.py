@@ -44,8 +44,8 @@ def get_config(arg=None):
 
   c.data = ml_collections.ConfigDict(dict(
       source="python_stdlib",      # offline text, see k25jax/data/sources.py
-      tokenizer="bytes",           # bytes | tiktoken
-      vocab_file="",               # local tiktoken vocabulary when tokenizer='tiktoken'
+      tokenizer="bytes",           # bytes | tiktoken | tokenizers | auto (a checkpoint folder)
+      vocab_file="",               # a local tiktoken.model, tokenizer.json, or (auto) the folder holding one
       max_doc_chars=1000 if tiny else 8000,
       eval_every=50,               # every 50th document is held out for evaluation
   ))

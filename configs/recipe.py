@@ -16,7 +16,7 @@ each starting from the previous one's workdir (`init`), and probes the model aft
                                                       (warm_start.after_init, 200 steps at lr 3e-4), then 24
                                                       PARL iterations (the stand-alone run has 80)
 
-The model is the tiny K2.5 chat model of configs/sft.py (`common.TINY_CHAT_TEXT`: 268 ids,
+The model is the tiny chat model of configs/sft.py (`common.TINY_CHAT_TEXT`: 268 ids,
 hidden 128, 2 layers; the tiny MoonViT-3D): the byte tokenizer with media tokens of the
 pre-training stages is a prefix of the chat tokenizer's ids, so one vocabulary serves all.
 The text stage and PARL train the decoder alone (`model_section`; PARL's tasks are text, and

@@ -2,8 +2,8 @@
 """Joint RL with the K2.5 policy loss (Eq. 1) on a verifiable task; Toggle by switch.
 
 `get_config("tiny")` (default): the 2-digit addition task at ~165k params on CPU, in the
-K2.5 chat format through the chat tokenizer (`task.rendering="chat"`: bytes, media, role and
-tool tokens, the vocabulary of the K2.5 chat model of configs/sft.py) — a built-in SFT warm
+chat format (k25jax's own, `data/legacy_chat.py`) through the chat tokenizer (`task.rendering="chat"`: bytes, media, role and
+tool tokens, the vocabulary of the tiny chat model of configs/sft.py) — a built-in SFT warm
 start (~1 min), then RL in a few minutes. Switches after the preset, comma-separated:
 `toggle` turns Toggle on (`configs/rl.py:tiny,toggle`, or configs/toggle.py); `compact`
 renders the same task over its 17-token vocabulary (a 17-id model) instead.

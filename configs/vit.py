@@ -20,7 +20,7 @@ def get_config(arg=None):
   c.init = common.init_section(k25=True)
 
   c.data = ml_collections.ConfigDict(dict(
-      tokenizer="bytes",                     # bytes | tiktoken (with the media tokens)
+      tokenizer="bytes",                     # bytes | tiktoken | tokenizers | auto (with the media tokens)
       vocab_file="",
       tasks=common.VISUAL_TASKS,             # caption, count, read, chart, motion
       max_patches=768,                       # the vision tower's patch budget per batch

@@ -24,7 +24,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from k25jax.data import chat, image_tasks, vision as vision_data  # noqa: E402
+from k25jax.data import legacy_chat as chat, image_tasks, vision as vision_data  # noqa: E402
 from k25jax.model import k25, vision  # noqa: E402
 from k25jax.train import config_utils, sharding, trainer as trainer_lib  # noqa: E402
 

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import recipe_probes  # noqa: E402
 from configs import common, recipe as recipe_config  # noqa: E402
-from k25jax.data import chat  # noqa: E402
+from k25jax.data import legacy_chat as chat  # noqa: E402
 from k25jax.model import k25  # noqa: E402
 from k25jax.stages import midtrain  # noqa: E402
 from k25jax.train import checkpoint, config_utils, sharding, trainer as trainer_lib  # noqa: E402

@@ -30,7 +30,7 @@ import jax
 import ml_collections
 
 from k25jax.agents import tool_rollout
-from k25jax.data import chat, mixture, sources, tokenizer
+from k25jax.data import legacy_chat as chat, mixture, sources, tokenizer
 from k25jax.model import k25
 from k25jax.stages import parl, sft
 from k25jax.train import multimodal, objective

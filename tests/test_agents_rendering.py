@@ -4,7 +4,7 @@ import pytest
 
 from k25jax.agents import dsl, swarm, tools
 from k25jax.agents import widesearch as ws
-from k25jax.data import chat
+from k25jax.data import legacy_chat as chat
 
 CHAT = ws.ChatRendering()
 TOK = CHAT.tok

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from k25jax.agents import sandbox, tool_rollout
-from k25jax.data import chat, image_tasks, zero_vision
+from k25jax.data import legacy_chat as chat, image_tasks, zero_vision
 from k25jax.data import vision as vision_data
 from k25jax.model import config as model_config
 from k25jax.model import k25, transformer

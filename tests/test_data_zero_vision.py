@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from k25jax.agents import sandbox
-from k25jax.data import chat, image_tasks, zero_vision
+from k25jax.data import legacy_chat as chat, image_tasks, zero_vision
 
 
 @pytest.fixture(scope="module")

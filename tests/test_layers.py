@@ -8,7 +8,7 @@ import pytest
 
 from configs import common
 from k25jax.agents import dsl
-from k25jax.data import chat, visual_synthetic
+from k25jax.data import legacy_chat as chat, visual_synthetic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("k25jax", "pallas_kernels")

@@ -9,7 +9,7 @@ import pytest
 from config_files import load_config
 
 from configs import recipe as recipe_config
-from k25jax.data import chat, tokenizer
+from k25jax.data import legacy_chat as chat, tokenizer
 from k25jax.model import k25, transformer
 from k25jax.train import checkpoint, config_utils, sharding, trainer as trainer_lib
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from config_files import load_config
 
-from k25jax.data import chat
+from k25jax.data import legacy_chat as chat
 from k25jax.model import k25
 from k25jax.stages import rl_vision
 from k25jax.train import checkpoint, config_utils

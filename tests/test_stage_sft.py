@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from config_files import load_config
 
-from k25jax.data import chat, image_tasks, zero_vision
+from k25jax.data import legacy_chat as chat, image_tasks, zero_vision
 from k25jax.model import media
 from k25jax.rl import tasks as rl_tasks
 from k25jax.stages import sft

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from k25jax.agents import sandbox
-from k25jax.data import chat, image_tasks
+from k25jax.data import legacy_chat as chat, image_tasks
 from k25jax.data import vision as vision_data
 from k25jax.model import k25, media as media_lib, vision
 from k25jax.model.config import K25Config, ModelConfig

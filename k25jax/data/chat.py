@@ -1,146 +1,301 @@
-"""A chat format with a Python tool, over a byte-level vocabulary plus five role tokens.
+"""The K2.5 chat format: what Kimi K2.5's chat template renders, to text and to ids.
 
-A conversation is BOS followed by messages, each opened by a role token and closed by
-`<|end|>`:
+    [<|im_system|>tool_declare<|im_middle|>{tools, k25jax/data/tool_declaration.py}<|im_end|>]
+    <|im_system|>system<|im_middle|>{system prompt; DEFAULT_SYSTEM when there is none}<|im_end|>
+    <|im_user|>{name|user}<|im_middle|>{content}<|im_end|>
+    <|im_assistant|>{name|assistant}<|im_middle|><think>{reasoning}</think>{content}{calls}<|im_end|>
+    <|im_system|>{name|tool}<|im_middle|>## Return of {tool_call_id}\\n{content}<|im_end|>
+    ...
+    <|im_assistant|>assistant<|im_middle|><think>          the generation prompt, thinking on
+    <|im_assistant|>assistant<|im_middle|><think></think>  the generation prompt, thinking off
 
-    conversation := BOS message*
-    message      := <|user|> TEXT <|end|>
-                  | <|assistant|> <|call|> CODE <|end|>      a Python tool call
-                  | <|assistant|> TEXT <|end|>               the final answer
-                  | <|tool|> OUTPUT <|end|>                  what the call printed (or its error)
+    calls := <|tool_calls_section_begin|>
+               (<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>{JSON}<|tool_call_end|>)+
+             <|tool_calls_section_end|>
+    image  := <|media_begin|>image<|media_content|><|media_pad|><|media_end|>\\n
 
-The environment writes every role token (the `<|assistant|>` that opens a turn too);
-the model writes an assistant turn's body and its `<|end|>`: those are the only tokens
-under the loss (mask 1), user text and tool output are context (mask 0). Sampling an
-assistant turn stops at `<|end|>`.
+Messages are OpenAI-shaped dicts: `role` (system, user, assistant, tool), `content` (text,
+or a list of `{"type": "text", "text"}` and `{"type": "image", "tokens": n}` parts),
+`name`, an assistant's `reasoning_content` and `tool_calls` (`{"id", "function": {"name",
+"arguments"}}`, arguments a JSON string or a dict), a tool result's `tool_call_id`.
 
-`ChatTokenizer` puts the role tokens after a base tokenizer's vocabulary (by default the
-byte tokenizer with its four media tokens, ids 259..262, so that one vocabulary serves
-text-only and image conversations), leaving the base ids unchanged.
-Parsing never raises on model output: `parse_turn` returns a `Turn` whose `error` is one
-of `TURN_ERRORS` when the turn is malformed (the convention of `k25jax.agents.tools`).
+Thinking: assistant messages up to the last one without tool calls are history and keep an
+empty `<think></think>`; later ones (the current round: the calls and results since) keep
+their reasoning. As in the template, with two exceptions that keep every prompt a prefix of
+its conversation (what RL samples is what it trains on): the final message of a training
+example (an assistant answer) belongs to the current round, so its reasoning is trained
+on; and with thinking off no reasoning is rendered (the prompt ends `<think></think>`).
+
+`render_ids` encodes the same text with a tokenizer that has the chat tokens (loss mask 1 on
+exactly what the model writes after the generation prompt: reasoning, `</think>` when
+thinking, content, calls and `<|im_end|>`); an image's `<|media_pad|>` is repeated `tokens`
+times (its patches after merging). `parse_assistant` reads sampled ids back into a turn and
+never raises on model output: malformed output is a turn whose `error` names the fault.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import json
+import re
+from typing import Any, Sequence
 
-from k25jax.data import tokenizer as tokenizer_lib
+from k25jax.data import tool_declaration
+from k25jax.data.tokenizer import MEDIA_TOKENS, Tokenizer
 
-ROLE_TOKENS = ("<|user|>", "<|assistant|>", "<|tool|>", "<|call|>", "<|end|>")
-ROLES = ("user", "assistant", "tool")
+DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
+ROLES = ("system", "user", "assistant", "tool")
+IM_END, IM_MIDDLE = "<|im_end|>", "<|im_middle|>"
+HEADERS = {"system": "<|im_system|>", "user": "<|im_user|>", "assistant": "<|im_assistant|>", "tool": "<|im_system|>"}
+THINK, END_THINK = "<think>", "</think>"
+SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+CALL_BEGIN, ARGUMENT_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+CALL_ID = re.compile(r"functions\.([A-Za-z_][\w\-.]*):(\d+)")
 TURN_ERRORS = (
-    "truncated",     # the turn has no <|end|> (generation ran out of tokens)
-    "empty",         # nothing before <|end|> (no answer, or a call with no code)
-    "stray_token",   # a role token inside the body (e.g. <|call|> after text, or <|tool|>)
+    "truncated",             # no <|im_end|> (generation ran out of tokens)
+    "unfinished_thinking",   # thinking on and no </think> before <|im_end|>
+    "stray_token",           # a special token an assistant never writes there (a role, media, <think>, ...)
+    "unclosed_section",      # <|tool_calls_section_begin|> without its end
+    "empty_section",         # a section with no call
+    "malformed_call",        # text between calls, or a call missing its argument marker or end
+    "bad_call_id",           # not functions.{name}:{index}
+    "bad_arguments",         # the arguments are not JSON
+    "arguments_not_object",  # JSON, but not an object
+    "unknown_tool",          # a name that the declared tools do not have
+    "text_after_calls",      # anything between the section's end and <|im_end|>
+    "empty",                 # no content and no call
 )
 
 
-class ChatTokenizer:
-  """`base` (default `ByteTokenizer(media=True)`) plus the role tokens, ids base.vocab_size + i.
-  `media` is the base's media ids (None without them)."""
-
-  def __init__(self, base: tokenizer_lib.Tokenizer | None = None):
-    self.base = base if base is not None else tokenizer_lib.ByteTokenizer(media=True)
-    self.media = getattr(self.base, "media", None)
-    start = self.base.vocab_size
-    self.special = {name: start + i for i, name in enumerate(ROLE_TOKENS)}
-    self.user_id, self.assistant_id, self.tool_id, self.call_id, self.end_id = (
-        self.special[name] for name in ROLE_TOKENS)
-    self.vocab_size = start + len(ROLE_TOKENS)
-    self.bos_id, self.eos_id, self.pad_id = self.base.bos_id, self.base.eos_id, tokenizer_lib.PAD_ID
-    self._names = {i: name for name, i in self.special.items()}
-
-  def encode(self, text: str) -> list[int]:
-    return self.base.encode(text)
-
-  def decode(self, ids: Sequence[int]) -> str:
-    """Text of `ids`, role tokens written by name (base decoding between them)."""
-    out, run = [], []
-    for i in (int(i) for i in ids):
-      if i in self._names:
-        out += [self.base.decode(run), self._names[i]]
-        run = []
-      else:
-        run.append(i)
-    return "".join(out + [self.base.decode(run)])
-
-
 @dataclasses.dataclass(frozen=True)
-class Message:
-  """One message: role ∈ ROLES; for the assistant, `call` says the content is tool code.
-  `prefix` are token ids placed before the content (e.g. a media block in a user turn)."""
-
-  role: str
-  content: str
-  call: bool = False
-  prefix: tuple[int, ...] = ()
-
-  def __post_init__(self):
-    if self.role not in ROLES:
-      raise ValueError(f"Message.role={self.role!r}; choose one of {ROLES}")
-    if self.call and self.role != "assistant":
-      raise ValueError(f"Message.call=True needs role 'assistant', got {self.role!r}")
-
-
-def header(tok: ChatTokenizer, role: str) -> int:
-  return {"user": tok.user_id, "assistant": tok.assistant_id, "tool": tok.tool_id}[role]
-
-
-def message_tokens(tok: ChatTokenizer, message: Message) -> tuple[list[int], list[float]]:
-  """`role [prefix] [<|call|>] content <|end|>` and its loss mask (1 on what the assistant writes)."""
-  body = ([tok.call_id] if message.call else []) + tok.encode(message.content) + [tok.end_id]
-  learned = 1.0 if message.role == "assistant" else 0.0
-  tokens = [header(tok, message.role), *message.prefix, *body]
-  return tokens, [0.0] * (1 + len(message.prefix)) + [learned] * len(body)
-
-
-def render(tok: ChatTokenizer, messages: Sequence[Message]) -> tuple[list[int], list[float]]:
-  """BOS + messages → (tokens, loss mask): mask 1 exactly on assistant bodies and their <|end|>."""
-  tokens, mask = [tok.bos_id], [0.0]
-  for message in messages:
-    t, m = message_tokens(tok, message)
-    tokens += t
-    mask += m
-  return tokens, mask
+class ToolCall:
+  id: str
+  name: str
+  arguments: dict
 
 
 @dataclasses.dataclass(frozen=True)
 class Turn:
-  """A parsed assistant turn: `call` (code to run) or an answer; `error` ∈ TURN_ERRORS or None.
-  `tokens` is the turn through its <|end|> (all of it when truncated)."""
+  """A parsed assistant turn; `error` ∈ TURN_ERRORS or None; `tokens` through <|im_end|>
+  (all of them when truncated)."""
 
-  text: str
-  call: bool
+  content: str
+  reasoning: str
+  tool_calls: tuple[ToolCall, ...]
   error: str | None
   tokens: tuple[int, ...]
 
+  def message(self) -> dict:
+    """The turn as an assistant message (what render_text takes)."""
+    out: dict[str, Any] = {"role": "assistant", "content": self.content}
+    if self.reasoning:
+      out["reasoning_content"] = self.reasoning
+    if self.tool_calls:
+      out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                           for c in self.tool_calls]
+    return out
 
-def parse_turn(tok: ChatTokenizer, ids: Sequence[int]) -> Turn:
-  """Parses the tokens a model generated after `<|assistant|>` (anything after the first
-  `<|end|>` is ignored). Never raises on model output."""
+
+# A rendered conversation is a list of segments: (text, special, learned).
+Segment = tuple[str, bool, bool]
+
+
+def _content_segments(content, learned: bool) -> list[Segment]:
+  if isinstance(content, str):
+    return [(content, False, learned)]
+  out = []
+  for part in content:
+    kind = part.get("type")
+    if kind == "text":
+      out.append((part["text"], False, learned))
+    elif kind in ("image", "image_url"):
+      pads = int(part.get("tokens", 1))
+      if pads < 1:
+        raise ValueError(f"an image part needs tokens >= 1, got {pads}")
+      out += [(MEDIA_TOKENS.begin, True, False), ("image", False, False), (MEDIA_TOKENS.content, True, False)]
+      out += [(MEDIA_TOKENS.pad, True, False)] * pads + [(MEDIA_TOKENS.end, True, False), ("\n", False, False)]
+    else:
+      raise ValueError(f"content part type {kind!r}; choose 'text' or 'image'")
+  return out
+
+
+def _arguments(arguments) -> str:
+  return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def _calls_segments(calls: Sequence[dict]) -> list[Segment]:
+  out = [(SECTION_BEGIN, True, True)]
+  for index, call in enumerate(calls):
+    function = call["function"]
+    call_id = call.get("id") or f"functions.{function['name']}:{index}"
+    out += [(CALL_BEGIN, True, True), (call_id, False, True), (ARGUMENT_BEGIN, True, True),
+            (_arguments(function["arguments"]), False, True), (CALL_END, True, True)]
+  return out + [(SECTION_END, True, True)]
+
+
+def _check(message: dict):
+  role = message.get("role")
+  if role not in ROLES:
+    raise ValueError(f"message role {role!r}; choose one of {ROLES}")
+  if role == "tool" and not message.get("tool_call_id"):
+    raise ValueError("a tool message needs the tool_call_id of the call it answers")
+  if message.get("tool_calls") and role != "assistant":
+    raise ValueError(f"only assistant messages make tool calls, not {role!r}")
+
+
+def _history_end(messages: Sequence[dict]) -> int:
+  """Messages before this index are history: through the last assistant message without
+  calls (the final message of a training example excluded)."""
+  last = len(messages) - 1 if messages and messages[-1]["role"] == "assistant" else len(messages)
+  for i in range(last - 1, -1, -1):
+    if messages[i]["role"] == "assistant" and not messages[i].get("tool_calls"):
+      return i + 1
+  return 0
+
+
+def segments(messages: Sequence[dict], tools: Sequence[dict] | None = None, thinking: bool = False,
+             add_generation_prompt: bool = False) -> list[Segment]:
+  """The conversation as (text, special, learned) segments, in order."""
+  for message in messages:
+    _check(message)
+  out: list[Segment] = []
+  declared = tool_declaration.declare(list(tools)) if tools else ""
+  if declared:
+    out += [(HEADERS["system"], True, False), ("tool_declare", False, False), (IM_MIDDLE, True, False),
+            (declared, False, False), (IM_END, True, False)]
+  if not messages or messages[0]["role"] != "system":
+    out += [(HEADERS["system"], True, False), ("system", False, False), (IM_MIDDLE, True, False),
+            (DEFAULT_SYSTEM, False, False), (IM_END, True, False)]
+  history = _history_end(messages)
+  for index, message in enumerate(messages):
+    role = message["role"]
+    learned = role == "assistant"
+    out += [(HEADERS[role], True, False), (message.get("name") or role, False, False), (IM_MIDDLE, True, False)]
+    if role == "tool":
+      out.append((f"## Return of {message['tool_call_id']}\n", False, False))
+    if role == "assistant":
+      reasoning = (message.get("reasoning_content") or "") if thinking and index >= history else ""
+      out += [(THINK, True, False), (reasoning, False, True), (END_THINK, True, thinking)]
+    out += _content_segments(message.get("content") or "", learned)
+    if message.get("tool_calls"):
+      out += _calls_segments(message["tool_calls"])
+    out.append((IM_END, True, learned))
+  if add_generation_prompt:
+    out += [(HEADERS["assistant"], True, False), ("assistant", False, False), (IM_MIDDLE, True, False),
+            (THINK, True, False)]
+    if not thinking:
+      out.append((END_THINK, True, False))
+  return out
+
+
+def render_text(messages: Sequence[dict], tools: Sequence[dict] | None = None, thinking: bool = False,
+                add_generation_prompt: bool = False) -> str:
+  """The conversation as the chat template's text."""
+  return "".join(text for text, _, _ in segments(messages, tools, thinking, add_generation_prompt))
+
+
+def render_ids(tok: Tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+               thinking: bool = False, add_generation_prompt: bool = False) -> tuple[list[int], list[float]]:
+  """(ids, loss mask) of render_text's conversation: the text between special tokens encoded
+  as one piece (as a tokenizer reads the whole string), mask 1 on what the model writes."""
+  missing = [n for n in (IM_END, IM_MIDDLE, THINK, SECTION_BEGIN) if n not in tok.special]
+  if missing:
+    raise ValueError(f"the tokenizer has no chat tokens ({missing[0]}...): use one with chat=True or a Kimi vocabulary")
+  ids: list[int] = []
+  mask: list[float] = []
+  run, run_learned = "", False
+
+  def flush():
+    pieces = tok.encode(run) if run else []
+    ids.extend(pieces)
+    mask.extend([float(run_learned)] * len(pieces))
+
+  for text, special, learned in segments(messages, tools, thinking, add_generation_prompt):
+    if special:
+      flush()
+      run = ""
+      ids.append(tok.special[text])
+      mask.append(float(learned))
+    elif text:
+      if run and learned != run_learned:
+        flush()
+        run = ""
+      run, run_learned = run + text, learned
+  flush()
+  return ids, mask
+
+
+def parse_assistant(tok: Tokenizer, ids: Sequence[int], thinking: bool = False,
+                    tools: Sequence[dict] | None = None) -> Turn:
+  """The turn a model wrote after the generation prompt (anything after its first <|im_end|>
+  is ignored). Never raises on model output."""
   ids = [int(i) for i in ids]
-  if tok.end_id not in ids:
-    return Turn(tok.decode(ids), False, "truncated", tuple(ids))
-  end = ids.index(tok.end_id)
-  body = ids[:end]
-  call = bool(body) and body[0] == tok.call_id
-  content = body[1:] if call else body
-  if any(i in tok.special.values() for i in content):
-    return Turn(tok.decode(content), call, "stray_token", tuple(ids[:end + 1]))
-  text = tok.decode(content)
-  if not text.strip():
-    return Turn(text, call, "empty", tuple(ids[:end + 1]))
-  return Turn(text, call, None, tuple(ids[:end + 1]))
+  names = {i: n for n, i in tok.special.items()}
+  end_id = tok.special[IM_END]
+  if end_id not in ids:
+    return _truncated(tok, ids, thinking)
+  body = ids[:ids.index(end_id)]
+  tokens = tuple(ids[:len(body) + 1])
+  reasoning = ""
+  if thinking:
+    close = tok.special[END_THINK]
+    if close not in body:
+      return Turn("", tok.decode(body), (), "unfinished_thinking", tokens)
+    cut = body.index(close)
+    if any(i in names for i in body[:cut]):
+      return Turn("", tok.decode(body[:cut]), (), "stray_token", tokens)
+    reasoning, body = tok.decode(body[:cut]), body[cut + 1:]
+  begin = tok.special[SECTION_BEGIN]
+  head = body[:body.index(begin)] if begin in body else body
+  content = tok.decode(head)
+  if any(i in names for i in head):
+    return Turn(content, reasoning, (), "stray_token", tokens)
+  if begin not in body:
+    return Turn(content, reasoning, (), None if content.strip() else "empty", tokens)
+  calls, error = _parse_section(tok, body[len(head) + 1:], names, tools)
+  return Turn(content, reasoning, calls, error, tokens)
 
 
-def tool_output(result, max_chars: int) -> str:
-  """A tool result (`sandbox.RunResult`) as the text of its tool message: stdout (and the last
-  expression's value, if any), or `Error: ...`; cut to `max_chars`, marked "..."."""
-  if result.ok:
-    text = result.stdout.rstrip("\n")
-    if result.value is not None:
-      text = f"{text}\n{result.value}" if text else str(result.value)
-  else:
-    text = f"Error: {result.error}"
-  return text if len(text) <= max_chars else text[:max_chars - 3] + "..."
+def _truncated(tok: Tokenizer, ids: list[int], thinking: bool) -> Turn:
+  """A turn without <|im_end|>: its reasoning and content split at </think> where it has one."""
+  close = tok.special[END_THINK]
+  if not thinking:
+    return Turn(tok.decode(ids), "", (), "truncated", tuple(ids))
+  cut = ids.index(close) if close in ids else len(ids)
+  return Turn(tok.decode(ids[cut + 1:]), tok.decode(ids[:cut]), (), "truncated", tuple(ids))
+
+
+def _parse_section(tok, section: list[int], names: dict[int, str], tools) -> tuple[tuple[ToolCall, ...], str | None]:
+  """The calls of `section` (the ids after <|tool_calls_section_begin|>), or the first fault."""
+  special = tok.special
+  if special[SECTION_END] not in section:
+    return (), "unclosed_section"
+  end = section.index(special[SECTION_END])
+  if section[end + 1:]:
+    return (), "text_after_calls"
+  inner, calls = section[:end], []
+  allowed = {special[CALL_BEGIN], special[ARGUMENT_BEGIN], special[CALL_END]}
+  if any(i in names and i not in allowed for i in inner):
+    return (), "stray_token"
+  declared = {(t.get("function", t))["name"] for t in tools} if tools else None
+  while inner:
+    if inner[0] != special[CALL_BEGIN] or special[CALL_END] not in inner:
+      return tuple(calls), "malformed_call"
+    stop = inner.index(special[CALL_END])
+    call, inner = inner[1:stop], inner[stop + 1:]
+    if call.count(special[ARGUMENT_BEGIN]) != 1 or special[CALL_BEGIN] in call:
+      return tuple(calls), "malformed_call"
+    split = call.index(special[ARGUMENT_BEGIN])
+    call_id, raw = tok.decode(call[:split]).strip(), tok.decode(call[split + 1:])
+    match = CALL_ID.fullmatch(call_id)
+    if not match:
+      return tuple(calls), "bad_call_id"
+    if declared is not None and match.group(1) not in declared:
+      return tuple(calls), "unknown_tool"
+    try:
+      arguments = json.loads(raw)
+    except ValueError:
+      return tuple(calls), "bad_arguments"
+    if not isinstance(arguments, dict):
+      return tuple(calls), "arguments_not_object"
+    calls.append(ToolCall(call_id, match.group(1), arguments))
+  return (tuple(calls), None) if calls else ((), "empty_section")

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from k25jax.data import chat, image_tasks
+from k25jax.data import legacy_chat as chat, image_tasks
 
 
 def conversation(task: image_tasks.ImageTask, program: Sequence[str], outputs: Sequence[str]) -> list[chat.Message]:

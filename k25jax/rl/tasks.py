@@ -17,8 +17,8 @@ Two families:
       chat       BOS <|user|> 57+68= <|end|> <|assistant|>       <|end|>    (`ChatRendering`)
       compact    ^57+68=   over a 17-token vocabulary            $          (`CompactRendering`)
 
-  `chat` is the K2.5 chat format through `k25jax.data.chat.ChatTokenizer` (bytes, media,
-  role and tool tokens: the vocabulary of the K2.5 chat model), configs/rl.py's default;
+  `chat` is k25jax's own chat format through `k25jax.data.legacy_chat.ChatTokenizer` (bytes, media,
+  role and tool tokens: the vocabulary of the tiny chat model), configs/rl.py's default;
   `compact` keeps a 17-token model for the fastest CPU runs, and is what the functions
   below render when no `render` is given. Both grade the decoded text with one parser.
 
@@ -37,7 +37,7 @@ from typing import Sequence
 
 import numpy as np
 
-from k25jax.data import chat
+from k25jax.data import legacy_chat as chat
 
 # --- 2-digit addition: the text ----------------------------------------------------------
 
@@ -147,7 +147,7 @@ class CompactRendering:
 
 
 class ChatRendering:
-  """The K2.5 chat format (`k25jax.data.chat`): the question is the user message, the
+  """k25jax's own chat format (`k25jax.data.legacy_chat`): the question is the user message, the
   completion the assistant's answer turn.
 
       prompt      BOS <|user|> question <|end|> <|assistant|>

@@ -14,8 +14,8 @@ Per iteration t, for P tasks x (wide tasks of 2..24 entities and deep chains) an
                tokens are observations to it and never enter the loss.
 
 The iterations, advantages and updates are `k25jax.rl.driver`'s. Every agent reads and
-writes the episode in `parl.rendering` (`widesearch.rendering`: the DSL's 91 ids, or the
-K2.5 chat format over the chat tokenizer). Sub-agents are frozen copies of a fixed
+writes the episode in `parl.rendering` (`widesearch.rendering`: the DSL's 91 ids, or
+k25jax's own chat format, data/legacy_chat.py, over the chat tokenizer). Sub-agents are frozen copies of a fixed
 checkpoint (`parl.subagent_checkpoint`); the orchestrator starts from `init.checkpoint`.
 Without them (the tiny default) the stage first trains one model by SFT on scripted
 demonstrations of both roles run through the real budgeted environment (the built-in

@@ -34,7 +34,7 @@ from k25jax.train import config_utils, sharding, trainer as trainer_lib, warm_st
 # ---------------------------------------------------------------------------- the task
 class AdditionTask:
   """Training pool and held-out prompts of the 2-digit addition task (`k25jax.rl.tasks`) in
-  the rendering `task.rendering` (chat: the K2.5 chat format; compact: 17 tokens)."""
+  the rendering `task.rendering` (chat: k25jax's own chat format, data/legacy_chat.py; compact: 17 tokens)."""
 
   max_new_tokens = tasks.MAX_COMPLETION_LENGTH
 

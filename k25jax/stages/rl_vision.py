@@ -34,7 +34,7 @@ import ml_collections
 import numpy as np
 
 from k25jax.agents import tool_rollout
-from k25jax.data import chat, image_tasks
+from k25jax.data import legacy_chat as chat, image_tasks
 from k25jax.data import vision as vision_data
 from k25jax.model import k25
 from k25jax.model.config import K25Config

@@ -30,7 +30,7 @@ import numpy as np
 from absl import logging
 
 from k25jax.agents import tool_rollout
-from k25jax.data import chat, image_tasks, packing, sources, visual_synthetic, zero_vision
+from k25jax.data import legacy_chat as chat, image_tasks, packing, sources, visual_synthetic, zero_vision
 from k25jax.data import vision as vision_data
 from k25jax.model import k25
 from k25jax.model.config import K25Config

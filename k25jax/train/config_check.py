@@ -77,7 +77,7 @@ RULES = {
     "loss.beta": _rule(lambda v: _real(v) and v >= 0, "a number >= 0 (the band's upper end on the log ratio)"),
     "optimizer.name": choice(*optimizer.OPTIMIZERS),
     "loss.normalize": choice("batch", "group"),
-    "data.tokenizer": choice("bytes", "tiktoken"),
+    "data.tokenizer": choice("bytes", "tiktoken", "tokenizers", "auto"),
     "vision_schedule": choice("constant", "ramp"),
     "anneal_kind": choice("linear", "cosine"),
     "parl.rendering": choice("dsl", "chat"),     # k25jax.agents.widesearch.rendering.NAMES

@@ -10,7 +10,7 @@ Item-F1 / Row-F1 under a budget of critical steps. One module per concern:
 * `steps`     stages and CriticalSteps (`StepTrace`, `stack_traces`).
 * `episode`   the budgeted episode, its step and budget rules (`Episode`, `Request`,
               `AgentTranscript`, `EpisodeResult`).
-* `rendering` what the model reads and writes: the DSL's ids, or the K2.5 chat format
+* `rendering` what the model reads and writes: the DSL's ids, or k25jax's own chat format
               (`DSLRendering`, `ChatRendering`, `make`).
 * `scripted`  scripted reference policies (`solo_policy`, `ScriptedOrchestrator`, `SerialOrchestrator`),
               `run_episode`, and the SFT `demonstrations`.

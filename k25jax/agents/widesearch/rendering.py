@@ -11,7 +11,7 @@ the same episode to the same result.
     prompt  := orch B4 A2 E1 E5 E7 |         observation := obs E1 V3 |
     turn    := search A2 next |              (the model writes the turn, `|` included)
 
-`ChatRendering` (the K2.5 chat format through `data.chat.ChatTokenizer`: bytes, media and
+`ChatRendering` (k25jax's own chat format through `data.legacy_chat.ChatTokenizer`: bytes, media and
 role tokens, 268 ids; the vocabulary of every other stage of the tiny K2.5 model):
 
     context     := BOS <|user|> TEXT <|end|> <|assistant|>  (turn <|tool|> TEXT <|end|> <|assistant|>)*
@@ -20,7 +20,7 @@ role tokens, 268 ids; the vocabulary of every other stage of the tiny K2.5 model
 
 TEXT is the block's readable text without its `|`, bytes through the tokenizer. The
 environment writes the role headers (the `<|assistant|>` that opens each turn too), the
-model the body and its `<|end|>`, as in `data.chat`. Reading a turn back: the words of its
+model the body and its `<|end|>`, as in `data.legacy_chat`. Reading a turn back: the words of its
 text are DSL tokens; a word that is none reads as `_` (`dsl.PAD`), which no call accepts,
 so it becomes an `unknown_tool` or `arg_type` error of its call and the rest of the turn
 still runs. `<|call|>` is a marker the model is taught to write; reading ignores whether
@@ -33,7 +33,7 @@ from typing import Protocol, Sequence
 
 from k25jax.agents import dsl
 from k25jax.agents.widesearch.tasks import MAX_CONTEXT
-from k25jax.data import chat
+from k25jax.data import legacy_chat as chat
 
 NAMES = ("dsl", "chat")
 
@@ -99,7 +99,7 @@ class DSLRendering:
 
 
 class ChatRendering:
-  """The K2.5 chat format (module docstring) over `tokenizer` (default: bytes + media + roles)."""
+  """k25jax's own chat format (module docstring) over `tokenizer` (default: bytes + media + roles)."""
 
   name = "chat"
   max_context = 640   # the longest scripted context seen is ~520 ids (budget 16), a turn at most 80
