@@ -9,6 +9,7 @@ setup(
     version="0.1.0",
     description="JAX/Flax training stack for Kimi K2.5 (K2 MoE backbone, MoonViT-3D, RL, Toggle, PARL).",
     packages=find_packages(include=["k25jax", "k25jax.*", "pallas_kernels", "pallas_kernels.*"]),
+    package_data={"k25jax.data": ["chat_template.jinja"]},   # written into exported checkpoints
     python_requires=">=3.11",
     install_requires=[
         "jax>=0.10.2",

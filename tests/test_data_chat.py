@@ -230,3 +230,24 @@ def test_bad_input_is_a_clear_error(tok):
     chat.render_text([{"role": "user", "content": [{"type": "image", "tokens": 0}]}])
   with pytest.raises(ValueError, match="chat tokens"):
     chat.render_ids(tokenizer.ByteTokenizer(media=True), [{"role": "user", "content": "hi"}])
+
+
+IMAGE_TURN = [{"role": "user", "content": [{"type": "image", "tokens": 2}, {"type": "text", "text": "Dots?"}]},
+              {"role": "assistant", "content": "3"}]
+
+
+@pytest.mark.parametrize("messages, tools, thinking, generation", [
+    (TWO_CALLS, True, False, False), (TWO_CALLS[:4], True, False, True), (MULTI_TURN, False, True, False),
+    (MULTI_TURN[:4], False, True, True), (THINKING_TOOL, True, True, False), (THINKING_TOOL[:3], True, True, True),
+    (THINKING_TOOL, False, False, False), (IMAGE_TURN, False, False, False), (IMAGE_TURN[:1], False, True, True)])
+def test_transformers_renders_the_exported_template_as_the_renderer_does(messages, tools, thinking, generation):
+  """The Jinja template an export writes (chat.chat_template()), applied by transformers."""
+  from tokenizers import Tokenizer, models
+  from transformers import PreTrainedTokenizerFast
+  hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")))
+  hf.chat_template = chat.chat_template()
+  declared = [WEATHER, PYTHON] if tools else None
+  extra = {"tools_ts_str": tool_declaration.declare(declared)} if tools else {}
+  got = hf.apply_chat_template(messages, tools=declared, thinking=thinking, add_generation_prompt=generation,
+                               tokenize=False, **extra)
+  assert got == chat.render_text(messages, declared, thinking, generation)

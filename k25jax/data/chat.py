@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from typing import Any, Sequence
 
@@ -50,6 +51,7 @@ THINK, END_THINK = "<think>", "</think>"
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL_BEGIN, ARGUMENT_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 CALL_ID = re.compile(r"functions\.([A-Za-z_][\w\-.]*):(\d+)")
+TEMPLATE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_template.jinja")
 TURN_ERRORS = (
     "truncated",             # no <|im_end|> (generation ran out of tokens)
     "unfinished_thinking",   # thinking on and no </think> before <|im_end|>
@@ -93,6 +95,14 @@ class Turn:
       out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                            for c in self.tool_calls]
     return out
+
+
+def chat_template() -> str:
+  """This format as a transformers chat template (Jinja): `apply_chat_template(messages, tools=...,
+  tools_ts_str=tool_declaration.declare(tools), thinking=..., add_generation_prompt=...)`
+  renders what render_text does."""
+  with open(TEMPLATE_FILE) as f:
+    return f.read()
 
 
 # A rendered conversation is a list of segments: (text, special, learned).
