@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Sequence
 
 # Stored dtypes (safetensors names) that hold a float parameter exactly or by rounding.
-# F8 is not among them: FP8 checkpoints store `weight` with a block scale (`weight_scale_inv`)
-# beside it, which these loaders do not apply, so an F8 weight would load scaled wrongly.
+# F8 is not among them: an FP8 `weight` holds a float only with its block scale
+# (`weight_scale_inv`, k25jax/convert/fp8.py), which `hf.load` applies where config.json says fp8.
 FLOAT = ("F32", "F16", "BF16", "F64")
 INTEGER = ("I64", "I32", "I16", "I8", "U8")
 
@@ -27,7 +27,8 @@ def require_dtype(file, name: str, allowed: Sequence[str], what: str = "a float 
   otherwise a CheckpointError naming the file and the tensor (nothing is cast)."""
   dtype = file.dtype(name)
   if dtype not in allowed:
-    hint = (" (an FP8-quantized weight: its block scales are not applied by this loader)"
+    hint = (" (an FP8 weight, but config.json has no quantization_config with quant_method 'fp8' for its "
+            "block scales)"
             if dtype.startswith("F8") else "")
     raise CheckpointError(f"{at(file.path, name)} is stored as {dtype}{hint}; {what} must be "
                           f"stored as one of {', '.join(allowed)}")

@@ -32,9 +32,10 @@ from typing import Any, Callable, Iterator
 import flax.linen as nn
 import jax
 import numpy as np
+from absl import logging
 from flax import traverse_util
 
-from k25jax.convert import hf_vision, int4, safetensors_io, scan
+from k25jax.convert import fp8, hf_vision, int4, safetensors_io, scan
 from k25jax.convert.common import FLOAT, INTEGER, CheckpointError, at, require_dtype, shape_error
 from k25jax.model import transformer
 from k25jax.model.config import K25Config, ModelConfig
@@ -256,6 +257,12 @@ def load_text_params(path: str, hf_cfg: dict, cfg: ModelConfig, shardings: Any =
   quant_parts: dict[str, dict[str, tuple[np.ndarray, str]]] = {}   # module → part → (array, file)
   group, asymmetric = _quant_settings(path, hf_cfg)
   needed_parts = _QUANT_PARTS if asymmetric else _QUANT_PARTS[:3]
+  try:
+    fp8_block = fp8.block_size(hf_cfg)
+  except (TypeError, ValueError) as e:
+    raise CheckpointError(f"{os.path.join(path, 'config.json')}: its FP8 quantization_config is malformed ({e})") from e
+  fp8_parts: dict[str, dict[str, tuple[np.ndarray, str]]] = {}   # module → weight / scale → (array, file)
+  skipped_layers: set[int] = set()
   source_of: dict[tuple, str] = {}
 
   def finish(key: tuple, value: np.ndarray):
@@ -325,6 +332,14 @@ def load_text_params(path: str, hf_cfg: dict, cfg: ModelConfig, shardings: Any =
       raise CheckpointError(f"{where}: {e}") from None
     place(module + ".weight", w, where)
 
+  def place_fp8(module: str, parts: dict[str, tuple[np.ndarray, str]]):
+    where = at(parts["weight"][1], module + ".weight") + " (FP8, block-scaled)"
+    try:
+      w = fp8.dequantize(parts["weight"][0], parts[fp8.SCALE][0], fp8_block)
+    except ValueError as e:
+      raise CheckpointError(f"{where}: {e}") from None
+    place(module + ".weight", w, where)
+
   for raw_name, file in safetensors_io.iterate(path):
     if consume is not None and consume(raw_name, file):
       continue
@@ -332,11 +347,27 @@ def load_text_params(path: str, hf_cfg: dict, cfg: ModelConfig, shardings: Any =
     where = at(file.path, raw_name)
     module, _, leaf = name.rpartition(".")
     quantized = leaf in _QUANT_PARTS
-    target_name = module + ".weight" if quantized else name
+    target_name = module + ".weight" if quantized or leaf == fp8.SCALE else name
     if hf_target(cfg, target_name) is None:
       if _skipped(cfg, target_name):
+        layer = _LAYER.match(target_name)
+        if layer and int(layer.group(1)) >= cfg.num_hidden_layers:
+          skipped_layers.add(int(layer.group(1)))
         continue
       raise no_place(where)
+    if leaf == fp8.SCALE and fp8_block is None:
+      raise CheckpointError(f"{where}: an FP8 block scale, but config.json has no quantization_config with "
+                            f"quant_method 'fp8'")
+    if fp8_block is not None and (leaf == fp8.SCALE or (leaf == "weight" and file.dtype(raw_name) == "F8_E4M3")):
+      require_dtype(file, raw_name, ("F32", "BF16", "F16") if leaf == fp8.SCALE else ("F8_E4M3",),
+                    f"an FP8 {leaf}")
+      parts = fp8_parts.setdefault(module, {})
+      if leaf in parts:
+        raise CheckpointError(f"{where} duplicates {at(parts[leaf][1], raw_name)}")
+      parts[leaf] = (np.array(file.get(raw_name)), file.path)
+      if len(parts) == 2:
+        place_fp8(module, fp8_parts.pop(module))
+      continue
     if not quantized:
       require_dtype(file, raw_name, FLOAT)
       place(name, file.get(raw_name), where)
@@ -350,6 +381,14 @@ def load_text_params(path: str, hf_cfg: dict, cfg: ModelConfig, shardings: Any =
       del quant_parts[module]
       place_quantized(module, parts)
 
+  if fp8_parts:
+    module, parts = next(iter(fp8_parts.items()))
+    have, = parts
+    raise CheckpointError(f"{at(parts[have][1], module + '.' + have)} (FP8) has no "
+                          f"{'weight_scale_inv' if have == 'weight' else 'weight'} beside it")
+  if skipped_layers:
+    logging.info("%s: skipped layers %s: multi-token-prediction layers (num_nextn_predict_layers=%s), "
+                 "which k25jax does not train", path, sorted(skipped_layers), hf_cfg.get("num_nextn_predict_layers"))
   if quant_parts:
     module, parts = next(iter(quant_parts.items()))
     raise CheckpointError(f"{quantized_at(module, parts)} is incomplete: has {sorted(parts)}, needs "
