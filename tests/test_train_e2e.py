@@ -96,3 +96,39 @@ def test_unwritable_workdir_is_a_clear_error(tmp_path):
   blocker.write_text("not a directory")
   with pytest.raises(PermissionError, match="not writable"):
     checkpoint.Checkpoints(str(blocker / "run"), keep=1)
+
+
+@pytest.mark.slow
+def test_export_loads_in_transformers_with_the_runs_logits(full_run, tmp_path):
+  """The run's newest params, exported from the workdir alone (k25jax.export), load in
+  transformers' DeepseekV3ForCausalLM and give k25jax's logits; exporting the export's own
+  load again is bit-exact."""
+  import json
+  import torch
+  from transformers import DeepseekV3ForCausalLM
+  from k25jax import export
+  from k25jax.convert import hf, safetensors_io
+  workdir, state, _ = full_run
+  out = export.export(workdir, str(tmp_path / "hf"))
+  assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
+  assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["DeepseekV3ForCausalLM"]
+  tokens = np.random.default_rng(0).integers(3, 259, size=(2, 32))
+  cfg = config_utils.model_config_from(config_for_e2e().model)
+  ours, _ = transformer.Transformer(cfg).apply({"params": state.params}, jax.numpy.asarray(tokens))
+  reference = DeepseekV3ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  with torch.no_grad():
+    theirs = reference(torch.as_tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(theirs, np.asarray(ours), atol=1e-5, rtol=0)
+  loaded_cfg, loaded = hf.load(out)
+  hf.save(loaded_cfg, loaded, str(tmp_path / "again"))
+  first = {n: np.asarray(f.get(n)) for n, f in safetensors_io.iterate(out)}
+  again = {n: np.asarray(f.get(n)) for n, f in safetensors_io.iterate(str(tmp_path / "again"))}
+  assert sorted(first) == sorted(again)
+  for name, value in first.items():
+    np.testing.assert_array_equal(again[name], value, err_msg=name)
+
+
+def test_export_needs_a_runs_workdir(tmp_path):
+  from k25jax import export
+  with pytest.raises(FileNotFoundError, match="not the workdir of a k25jax run"):
+    export.export(str(tmp_path), str(tmp_path / "out"))

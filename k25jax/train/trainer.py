@@ -29,7 +29,7 @@ import jax
 import ml_collections
 
 from k25jax.model import expert_parallel, k25, transformer
-from k25jax.train import checkpoint, loop, optimizer, sharding, state as state_lib, step as step_lib
+from k25jax.train import checkpoint, loop, model_record, optimizer, sharding, state as state_lib, step as step_lib
 
 Model = transformer.Transformer | k25.K25
 
@@ -152,6 +152,8 @@ class Trainer:
   def __init__(self, workdir: str, model: Model, tx, *, mesh: jax.sharding.Mesh, seed: int, keep_checkpoints: int):
     self.workdir, self.model, self.tx, self.mesh, self.seed = workdir, model, tx, mesh, seed
     self.checkpoints = checkpoint.Checkpoints(workdir, keep=keep_checkpoints)
+    if jax.process_index() == 0:
+      model_record.write(workdir, model.cfg)      # what k25jax.export rebuilds from the workdir alone
     self.writer = loop.MetricWriter(workdir)
     self._exit = contextlib.ExitStack()
 
