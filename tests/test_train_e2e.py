@@ -2,6 +2,7 @@
 latest checkpoint is quarantined and the run goes on from the previous one to finish, an
 unwritable workdir fails clearly."""
 import glob
+import json
 import logging
 import os
 import shutil
@@ -103,14 +104,16 @@ def test_export_loads_in_transformers_with_the_runs_logits(full_run, tmp_path):
   """The run's newest params, exported from the workdir alone (k25jax.export), load in
   transformers' DeepseekV3ForCausalLM and give k25jax's logits; exporting the export's own
   load again is bit-exact."""
-  import json
   import torch
   from transformers import DeepseekV3ForCausalLM
   from k25jax import export
   from k25jax.convert import hf, safetensors_io
   workdir, state, _ = full_run
   out = export.export(workdir, str(tmp_path / "hf"))
-  assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
+  assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                                     "tokenizer_config.json"]
+  assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {
+      "do_sample": False, "bos_token_id": 1, "eos_token_id": 2}
   assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["DeepseekV3ForCausalLM"]
   tokens = np.random.default_rng(0).integers(3, 259, size=(2, 32))
   cfg = config_utils.model_config_from(config_for_e2e().model)
@@ -132,3 +135,33 @@ def test_export_needs_a_runs_workdir(tmp_path):
   from k25jax import export
   with pytest.raises(FileNotFoundError, match="not the workdir of a k25jax run"):
     export.export(str(tmp_path), str(tmp_path / "out"))
+
+
+def test_the_byte_tokenizer_exports_as_a_tokenizer_json_transformers_reads(tmp_path):
+  """k25jax.convert.hf_tokenizer's tokenizer.json encodes and decodes as ByteTokenizer does,
+  read back by transformers' AutoTokenizer; with the chat tokens it carries K2.5's template."""
+  from transformers import AutoTokenizer
+  from k25jax.convert import hf_tokenizer
+  from k25jax.data import chat
+  text = "déf f(x):\n  return x ∑ 1 — 你好\t\x00\x7f"
+  for media, chat_tokens in ((False, False), (True, False), (True, True)):
+    out = tmp_path / f"{media}_{chat_tokens}"
+    out.mkdir()
+    record = {"name": "bytes", "path": "", "media": media}
+    ours = tokenizer.ByteTokenizer(media=media, chat=chat_tokens)
+    if chat_tokens:
+      hf_tokenizer.byte_tokenizer_json(ours).save(str(out / "tokenizer.json"))
+      (out / "tokenizer_config.json").write_text(json.dumps({
+          "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": chat.chat_template()}))
+    else:
+      assert hf_tokenizer.write(record, str(out)) == ["tokenizer.json", "tokenizer_config.json"]
+    theirs = AutoTokenizer.from_pretrained(str(out))
+    assert theirs(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
+    assert theirs.decode(ours.encode(text)) == text
+    assert {name: theirs.convert_tokens_to_ids(name) for name in ours.special} == ours.special
+    assert len(theirs) == ours.vocab_size
+  messages = [{"role": "user", "content": "hi"}]
+  assert theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == chat.render_text(
+      messages, add_generation_prompt=True)
+  assert theirs.apply_chat_template(messages, add_generation_prompt=True, return_dict=False) == chat.render_ids(
+      ours, messages, add_generation_prompt=True)[0]

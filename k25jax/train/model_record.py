@@ -1,7 +1,8 @@
 """What model a run trains, written into its workdir (`model_config.json`) so that tools which
 get only the workdir (k25jax.export) rebuild it: the config.json transformers reads
-(`to_hf_dict`) and k25jax's own fields of the text model (`config.OURS`: layout, dtypes,
-kernels), which decide how the checkpoint's params are laid out.
+(`to_hf_dict`), k25jax's own fields of the text model (`config.OURS`: layout, dtypes,
+kernels), which decide how the checkpoint's params are laid out, and the tokenizer
+(`tokenizer.load`'s arguments) where the stage's config names one (`data.tokenizer`).
 """
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from k25jax.model.config import OURS, K25Config, ModelConfig
 FILE = "model_config.json"
 
 
-def write(workdir: str, cfg: ModelConfig | K25Config) -> None:
+def write(workdir: str, cfg: ModelConfig | K25Config, tokenizer: dict | None = None) -> None:
+  """`tokenizer`: {"name", "path", "media"} as `tokenizer.load` takes them, or None."""
   text = cfg.text if isinstance(cfg, K25Config) else cfg
-  record = {"hf_config": cfg.to_hf_dict(), "ours": {name: getattr(text, name) for name in OURS}}
+  record = {"hf_config": cfg.to_hf_dict(), "ours": {name: getattr(text, name) for name in OURS},
+            "tokenizer": tokenizer}
   path = os.path.join(workdir, FILE)
   os.makedirs(workdir, exist_ok=True)
   with open(path + ".tmp", "w") as f:
@@ -23,7 +26,8 @@ def write(workdir: str, cfg: ModelConfig | K25Config) -> None:
   os.replace(path + ".tmp", path)
 
 
-def read(workdir: str) -> ModelConfig | K25Config:
+def read(workdir: str) -> tuple[ModelConfig | K25Config, dict | None]:
+  """(the model's config, the tokenizer's record or None)."""
   path = os.path.join(workdir, FILE)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{path} does not exist: {workdir!r} is not the workdir of a k25jax run "
@@ -31,4 +35,4 @@ def read(workdir: str) -> ModelConfig | K25Config:
   with open(path) as f:
     record = json.load(f)
   build = K25Config if "vision_config" in record["hf_config"] else ModelConfig
-  return build.from_hf_dict(record["hf_config"], **record["ours"])
+  return build.from_hf_dict(record["hf_config"], **record["ours"]), record.get("tokenizer")

@@ -149,20 +149,26 @@ class Trainer:
   """The machinery a stage does not write itself (module docstring). A context manager: it
   sets the mesh, and closes the checkpoints and the writer on exit."""
 
-  def __init__(self, workdir: str, model: Model, tx, *, mesh: jax.sharding.Mesh, seed: int, keep_checkpoints: int):
+  def __init__(self, workdir: str, model: Model, tx, *, mesh: jax.sharding.Mesh, seed: int, keep_checkpoints: int,
+               tokenizer: dict | None = None):
     self.workdir, self.model, self.tx, self.mesh, self.seed = workdir, model, tx, mesh, seed
     self.checkpoints = checkpoint.Checkpoints(workdir, keep=keep_checkpoints)
-    if jax.process_index() == 0:
-      model_record.write(workdir, model.cfg)      # what k25jax.export rebuilds from the workdir alone
+    if jax.process_index() == 0:      # what k25jax.export rebuilds from the workdir alone
+      model_record.write(workdir, model.cfg, tokenizer)
     self.writer = loop.MetricWriter(workdir)
     self._exit = contextlib.ExitStack()
 
   @classmethod
   def for_config(cls, config: ml_collections.ConfigDict, workdir: str, model: Model, tx,
                  mesh: jax.sharding.Mesh | None = None) -> "Trainer":
-    """A trainer on `config.mesh` (or `mesh`), seeded by `train.seed`, keeping `train.keep_checkpoints`."""
+    """A trainer on `config.mesh` (or `mesh`), seeded by `train.seed`, keeping `train.keep_checkpoints`;
+    the workdir's model record names `data.tokenizer` where the config has one."""
     mesh = mesh if mesh is not None else sharding.make_mesh(config.mesh.to_dict())
-    return cls(workdir, model, tx, mesh=mesh, seed=config.train.seed, keep_checkpoints=config.train.keep_checkpoints)
+    data = config.get("data") or {}
+    tokenizer = ({"name": data["tokenizer"], "path": data.get("vocab_file", ""), "media": isinstance(model, k25.K25)}
+                 if "tokenizer" in data else None)
+    return cls(workdir, model, tx, mesh=mesh, seed=config.train.seed, keep_checkpoints=config.train.keep_checkpoints,
+               tokenizer=tokenizer)
 
   def __enter__(self) -> "Trainer":
     self._exit.enter_context(jax.set_mesh(self.mesh))
