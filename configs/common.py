@@ -12,8 +12,13 @@ Where a run starts (`init`), the same in every stage:
   init.text_checkpoint  (K2.5 stages only) a text-only run's workdir (configs/pretrain.py),
                         or a K2.5 run's: the language model starts from its decoder's params,
                         the rest fresh
+  init.hf_checkpoint    a local Hugging Face folder (DeepSeek-V3 family, Kimi-K2.5, or any
+                        folder `k25jax.export` wrote): `python -m k25jax.main` takes the run's
+                        model section from its config.json (a `--config.model.*` field that
+                        disagrees is an error); a K2.5 stage from a text folder starts its
+                        language model from it, the rest fresh (k25jax/train/hf_init.py)
 A run always resumes from its own workdir's latest checkpoint first; `init` only
-chooses the params of a run that has none yet.
+chooses the params of a run that has none yet (one of its fields at most).
 
 How long a run is (`train`), the same in every stage:
   train.steps           supervised stages: optimizer steps; RL stages (rl, rl_vision, parl):
@@ -146,7 +151,7 @@ def k25_model_section(preset: str, **text_overrides) -> ml_collections.ConfigDic
 
 def init_section(k25: bool = False) -> ml_collections.ConfigDict:
   """Where a fresh run starts (module docstring)."""
-  fields = dict(checkpoint="")
+  fields = dict(checkpoint="", hf_checkpoint="")
   if k25:
     fields["text_checkpoint"] = ""
   return ml_collections.ConfigDict(fields)

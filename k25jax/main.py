@@ -108,8 +108,12 @@ def main(argv):
   if config is None:
     raise app.UsageError("--config=configs/<stage>.py[:preset] is required")
   try:
+    if config.get("init", {}).get("hf_checkpoint"):
+      given = {arg[len("--config.model."):].split("=")[0] for arg in sys.argv if arg.startswith("--config.model.")}
+      changed = config_utils.model_section_from_hf(config, given)
+      logging.info("model section from %s: %s", config.init.hf_checkpoint, ", ".join(changed) or "unchanged")
     check_fields(config)
-  except ValueError as e:
+  except (ValueError, FileNotFoundError) as e:
     fail(str(e), 2)
   distributed = distributed_args()
   if distributed is not None:

@@ -146,7 +146,7 @@ def _stored_shape(kind: str, ours: tuple) -> tuple:
   return tuple(ours)
 
 
-def _read_config_json(path: str) -> dict:
+def read_config(path: str) -> dict:
   """config.json of the folder as a dict; a file that is not a JSON object is a CheckpointError."""
   file = os.path.join(path, "config.json")
   with open(file, "rb") as f:
@@ -171,7 +171,7 @@ def _config_from(path: str, build: Callable[..., Any], hf_cfg: dict, overrides: 
 
 
 def load_config(path: str, **overrides: Any) -> ModelConfig:
-  return _config_from(path, ModelConfig.from_hf_dict, _read_config_json(path), overrides)
+  return _config_from(path, ModelConfig.from_hf_dict, read_config(path), overrides)
 
 
 def _quant_groups(hf_cfg: dict) -> list:
@@ -228,7 +228,7 @@ def load(path: str, shardings: Any = None, *, text_only: bool = False, **overrid
   hold it (nothing is cast but float → float), of a shape the config does not give it,
   missing, duplicated or with no place. A missing file is a FileNotFoundError.
   """
-  hf_cfg = _read_config_json(path)
+  hf_cfg = read_config(path)
   if "vision_config" in hf_cfg and not text_only:
     cfg = _config_from(path, K25Config.from_hf_dict, hf_cfg, overrides)
     consume, finish = hf_vision.reader(cfg, shardings, folder=path)

@@ -5,12 +5,14 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib.util
 import os
 import sys
 
 import ml_collections
 
+from k25jax.convert import hf
 from k25jax.model import config as model_config
 
 
@@ -71,3 +73,39 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> 
     if isinstance(current, (int, float)) and not isinstance(current, bool):
       value = type(current)(value)
     node[field] = value
+
+
+def model_section_from_hf(config: ml_collections.ConfigDict, given: set[str] | frozenset = frozenset()) -> list[str]:
+  """Sets the fields of `config.model` that transformers knows to the values of
+  `config.init.hf_checkpoint`'s config.json (the text model's; a K2.5 stage from a K2.5 folder
+  also the vision tower's and the projector's); k25jax's own fields (`OURS`: layout, dtypes,
+  kernels) stay the run's. `given`: the fields set on the command line (`hidden_size`,
+  `text.hidden_size`, ...): one the folder disagrees with is a ValueError naming both values.
+  Returns the fields it changed."""
+  path = config.init.hf_checkpoint
+  hf_cfg = hf.read_config(path)
+  k25_run = "text" in config.model
+  folder_text = hf.load_config(path)
+  sections = [(config.model.text if k25_run else config.model, "text." if k25_run else "", folder_text,
+               model_config.OURS)]
+  if k25_run and "vision_config" in hf_cfg:
+    folder = model_config.K25Config.from_hf_dict(hf_cfg)
+    sections.append((config.model.vision, "vision.", folder.vision, model_config.VISION_OURS))
+    sections.append((config.model, "", {"projection_layer_norm_eps": folder.projection_layer_norm_eps}, ()))
+  changed = []
+  for section, prefix, folder, ours in sections:
+    values = folder if isinstance(folder, dict) else {f.name: getattr(folder, f.name) for f in dataclasses.fields(folder)}
+    for name, value in values.items():
+      if name in ours or name not in section:
+        continue
+      current = section[name]
+      current = current.to_dict() if isinstance(current, ml_collections.ConfigDict) else current
+      if current == value:
+        continue
+      if prefix + name in given:
+        raise ValueError(f"--config.model.{prefix}{name}={current!r} disagrees with {os.path.join(path, 'config.json')}"
+                         f" ({value!r}): drop the flag, or start from a folder of that model")
+      with section.ignore_type():
+        section[name] = value
+      changed.append(prefix + name)
+  return changed

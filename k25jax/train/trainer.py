@@ -29,7 +29,7 @@ import jax
 import ml_collections
 
 from k25jax.model import expert_parallel, k25, transformer
-from k25jax.train import checkpoint, loop, model_record, optimizer, sharding, state as state_lib, step as step_lib
+from k25jax.train import checkpoint, hf_init, loop, model_record, optimizer, sharding, state as state_lib, step as step_lib
 
 Model = transformer.Transformer | k25.K25
 
@@ -69,11 +69,17 @@ def restore_params(model: Model, workdir: str, mesh: jax.sharding.Mesh, part: st
 
 
 def params_from(model: Model, init: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, seed: int):
-  """The params `init` names (`init.checkpoint`, or `init.text_checkpoint`: its decoder, the rest
-  `fresh_params(seed)`), or None when it names neither."""
-  if init.checkpoint and init.get("text_checkpoint"):
-    raise ValueError(f"init.checkpoint={init.checkpoint!r} and init.text_checkpoint={init.text_checkpoint!r}: "
-                     "set one (all params from a run of this model, or the language model from a text run)")
+  """The params `init` names (`init.checkpoint`; `init.text_checkpoint`: its decoder, the rest
+  `fresh_params(seed)`; `init.hf_checkpoint`: a Hugging Face folder, k25jax/train/hf_init.py),
+  or None when it names none."""
+  given = [f"init.{name}={init.get(name)!r}" for name in ("checkpoint", "text_checkpoint", "hf_checkpoint")
+           if init.get(name)]
+  if len(given) > 1:
+    raise ValueError(f"{' and '.join(given)}: set one (all params from a run of this model, the language model "
+                     "from a text run, or the params of a Hugging Face folder)")
+  if init.get("hf_checkpoint"):
+    shardings = sharding.logical_to_sharding(abstract_params(model), mesh)
+    return hf_init.load_params(model, init.hf_checkpoint, shardings, lambda: fresh_params(model, mesh, seed))
   if init.checkpoint:
     return restore_params(model, init.checkpoint, mesh)
   if init.get("text_checkpoint"):

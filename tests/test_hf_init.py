@@ -1,0 +1,81 @@
+"""`init.hf_checkpoint`: a run starts from a Hugging Face folder (its model section taken from
+config.json), trains, and its export loads back in transformers with the run's logits."""
+import jax
+import numpy as np
+import pytest
+import torch
+from transformers import DeepseekV3ForCausalLM
+
+from hf_fixtures import hf_logits, random_hf_model, tiny_hf_config
+from k25jax import export
+from k25jax.model import transformer
+from k25jax.stages import pretrain
+from k25jax.train import config_utils, sharding, trainer as trainer_lib
+from test_train_step import micro_config
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+  """A tiny random DeepseekV3 (YaRN, a dense first layer, 8 experts) with the byte tokenizer's 512-id vocabulary."""
+  model = random_hf_model(tiny_hf_config(vocab_size=512))
+  path = tmp_path_factory.mktemp("deepseek")
+  model.save_pretrained(str(path))
+  return str(path), model
+
+
+def config_from(path, steps=20):
+  config = micro_config()
+  config.init.hf_checkpoint = path
+  config.train.update(steps=steps, batch=8, seq_len=32, log_every=10, eval_every=steps, checkpoint_every=steps)
+  config.optimizer.update(warmup_steps=2, decay_steps=5)
+  config.mesh.update(data=2, fsdp=4)
+  return config
+
+
+def test_the_model_section_comes_from_the_folder_and_the_params_too(folder):
+  path, model = folder
+  config = config_from(path)
+  changed = config_utils.model_section_from_hf(config)
+  assert {"hidden_size", "num_hidden_layers", "rope_scaling", "n_routed_experts"} <= set(changed)
+  assert config_utils.model_section_from_hf(config) == []              # already the folder's
+  ours = transformer.Transformer(config_utils.model_config_from(config.model))
+  mesh = sharding.make_mesh(config.mesh.to_dict())
+  params = trainer_lib.params_from(ours, config.init, mesh, seed=0)
+  assert params["layers_1"]["mlp"]["experts"]["gate_proj"].sharding.spec != jax.sharding.PartitionSpec()  # sharded
+  tokens = np.random.default_rng(0).integers(3, 512, size=(2, 32))
+  logits, _ = ours.apply({"params": params}, jax.numpy.asarray(tokens))
+  np.testing.assert_allclose(np.asarray(logits), hf_logits(model, tokens), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_a_run_from_the_folder_exports_back_to_transformers(folder, tmp_path):
+  """init.hf_checkpoint -> 20 steps of pre-training -> k25jax.export -> from_pretrained: the
+  trained model's logits (atol 1e-5, float32); the loss starts at the folder's model's."""
+  path, model = folder
+  config = config_from(path)
+  config_utils.model_section_from_hf(config)
+  state, history = pretrain.run(config, str(tmp_path / "run"))
+  train = [h for h in history if h["split"] == "train"]
+  assert train[-1]["loss"] < train[0]["loss"]
+  out = export.export(str(tmp_path / "run"), str(tmp_path / "hf"))
+  reloaded = DeepseekV3ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  tokens = np.random.default_rng(1).integers(3, 259, size=(2, 32))
+  ours, _ = transformer.Transformer(config_utils.model_config_from(config.model)).apply(
+      {"params": jax.device_get(state.params)}, jax.numpy.asarray(tokens))
+  np.testing.assert_allclose(hf_logits(reloaded, tokens), np.asarray(ours), atol=1e-5, rtol=0)
+  assert np.abs(hf_logits(reloaded, tokens) - hf_logits(model, tokens)).max() > 1e-3    # it trained
+
+
+def test_disagreements_fail_naming_both_values(folder):
+  path, _ = folder
+  config = config_from(path)
+  config.model.hidden_size = 64
+  with pytest.raises(ValueError, match=r"--config.model.hidden_size=64 disagrees with .*config.json \(32\)"):
+    config_utils.model_section_from_hf(config, given={"hidden_size"})
+  model = transformer.Transformer(config_utils.model_config_from(config.model))   # the section left unset
+  mesh = sharding.make_mesh(config.mesh.to_dict())
+  with pytest.raises(ValueError, match=r"describes another model: hidden_size \(run 64, folder 32\)"):
+    trainer_lib.params_from(model, config.init, mesh, seed=0)
+  config.init.checkpoint = "/a/run"
+  with pytest.raises(ValueError, match="init.checkpoint='/a/run' and init.hf_checkpoint="):
+    trainer_lib.params_from(model, config.init, mesh, seed=0)
