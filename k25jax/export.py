@@ -2,62 +2,24 @@
 
     python -m k25jax.export --workdir=RUN --out=DIR [--dtype=float32|bfloat16]
 
-The model comes from the workdir's `model_config.json` (written by every run when it starts),
-the params from its newest checkpoint (any stage's, whatever its optimizer), restored onto
-this host's first device. DIR gets config.json (DeepseekV3ForCausalLM for a text run,
-Kimi_K25ForConditionalGeneration with the vision tower and projector for a K2.5 run), the
-safetensors shards (with their index when there are several), generation_config.json
-(greedy, the tokenizer's BOS/EOS) and the tokenizer's files (k25jax/convert/hf_tokenizer.py)
-where the run's stage names one (`data.tokenizer`: pre-training, ViT, mid-training).
-
-Not yet: tokenizer files for the chat stages (SFT, RL, PARL: their tokenizer is the legacy
-chat format's, recorded by none), INT4 export of the routed experts, `--step` (the newest
-checkpoint only).
+What the folder holds: k25jax/train/hf_export.py.
 """
 from __future__ import annotations
 
-import json
-import os
+from absl import app, flags
 
-import jax
-import jax.numpy as jnp
-from absl import app, flags, logging
-
-from k25jax.convert import hf, hf_tokenizer
-from k25jax.model import k25, transformer
-from k25jax.model.config import K25Config
-from k25jax.train import model_record, sharding, trainer as trainer_lib
+from k25jax.train import hf_export
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run to export (a k25jax workdir).")
 _OUT = flags.DEFINE_string("out", None, "The folder to write.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "The dtype of the exported weights.")
 
 
-def export(workdir: str, out: str, dtype: str = "float32") -> str:
-  """Writes the newest params of `workdir` to `out` as an HF folder; returns `out`."""
-  cfg, tokenizer = model_record.read(workdir)
-  model = k25.K25(cfg) if isinstance(cfg, K25Config) else transformer.Transformer(cfg)
-  mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
-  params = jax.device_get(trainer_lib.restore_params(model, workdir, mesh))
-  if dtype != "float32":
-    params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                          params)
-  hf.save(cfg, params, out)
-  with open(os.path.join(out, "generation_config.json"), "w") as f:
-    json.dump(hf_tokenizer.generation_config(tokenizer), f, indent=2)
-  if tokenizer:
-    hf_tokenizer.write(tokenizer, out)
-  else:
-    logging.warning("%s names no tokenizer (its stage's config has no data.tokenizer): %s has no tokenizer files",
-                    workdir, out)
-  return out
-
-
 def main(argv):
   del argv
   if not _WORKDIR.value or not _OUT.value:
     raise app.UsageError("--workdir and --out are required")
-  print(f"exported {_WORKDIR.value} to {export(_WORKDIR.value, _OUT.value, _DTYPE.value)}")
+  print(f"exported {_WORKDIR.value} to {hf_export.export(_WORKDIR.value, _OUT.value, _DTYPE.value)}")
 
 
 if __name__ == "__main__":

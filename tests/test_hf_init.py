@@ -7,7 +7,7 @@ import torch
 from transformers import DeepseekV3ForCausalLM
 
 from hf_fixtures import hf_logits, random_hf_model, tiny_hf_config
-from k25jax import export
+from k25jax.train import hf_export as export
 from k25jax.model import transformer
 from k25jax.stages import pretrain
 from k25jax.train import config_utils, sharding, trainer as trainer_lib

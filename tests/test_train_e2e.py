@@ -106,7 +106,7 @@ def test_export_loads_in_transformers_with_the_runs_logits(full_run, tmp_path):
   load again is bit-exact."""
   import torch
   from transformers import DeepseekV3ForCausalLM
-  from k25jax import export
+  from k25jax.train import hf_export as export
   from k25jax.convert import hf, safetensors_io
   workdir, state, _ = full_run
   out = export.export(workdir, str(tmp_path / "hf"))
@@ -132,7 +132,7 @@ def test_export_loads_in_transformers_with_the_runs_logits(full_run, tmp_path):
 
 
 def test_export_needs_a_runs_workdir(tmp_path):
-  from k25jax import export
+  from k25jax.train import hf_export as export
   with pytest.raises(FileNotFoundError, match="not the workdir of a k25jax run"):
     export.export(str(tmp_path), str(tmp_path / "out"))
 
