@@ -149,3 +149,34 @@ def test_text_only_load_of_a_multimodal_folder(checkpoint, loaded):
   text_cfg, text_params = hf.load(checkpoint["released"], text_only=True)
   assert text_cfg == cfg.text
   assert jax_paths(text_params)[0][0] == jax_paths(params["language_model"])[0][0]
+
+
+def test_hf_checkpoint_starts_k25_and_text_runs_from_either_folder(checkpoint, loaded, tmp_path):
+  """init.hf_checkpoint's K2.5 paths (k25jax/train/hf_init.py): a K2.5 run from a K2.5 folder
+  gets every param; from a text folder its language model, the tower and projector fresh; a
+  text run from a K2.5 folder gets the language model."""
+  from k25jax.model import transformer
+  from k25jax.train import hf_init, sharding, trainer as trainer_lib
+  cfg, params = loaded
+  mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+
+  def start(model, path):
+    shardings = sharding.logical_to_sharding(trainer_lib.abstract_params(model), mesh)
+    return hf_init.load_params(model, path, shardings, lambda: trainer_lib.fresh_params(model, mesh, 0))
+
+  def equal(a, b):
+    assert [p for p, _ in jax_paths(a)] == [p for p, _ in jax_paths(b)]
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), jax.device_get(b))
+
+  multimodal = k25.K25(cfg)
+  equal(start(multimodal, checkpoint["released"]), params)
+  text_folder = str(tmp_path / "text")
+  hf.save(cfg.text, params[k25.LANGUAGE_MODEL], text_folder)
+  from_text = start(multimodal, text_folder)
+  equal(from_text[k25.LANGUAGE_MODEL], params[k25.LANGUAGE_MODEL])
+  fresh = jax.device_get(trainer_lib.fresh_params(multimodal, mesh, 0))
+  equal({k: v for k, v in from_text.items() if k != k25.LANGUAGE_MODEL},
+        {k: v for k, v in fresh.items() if k != k25.LANGUAGE_MODEL})
+  equal(start(transformer.Transformer(cfg.text), checkpoint["released"]), params[k25.LANGUAGE_MODEL])
+  with pytest.raises(ValueError, match=r"describes another model: text\.hidden_size"):
+    start(k25.K25(cfg.replace(text=cfg.text.replace(hidden_size=2 * cfg.text.hidden_size))), checkpoint["released"])
