@@ -47,11 +47,22 @@ def byte_tokenizer_json(tok: tokenizer_lib.ByteTokenizer):
   return hf
 
 
-def write(record: dict, out: str) -> list[str]:
-  """Writes the tokenizer of a run's model record (`{"name", "path", "media"}`) into `out`;
+def write(record: dict | None, out: str) -> list[str]:
+  """Writes generation_config.json (greedy; the tokenizer's BOS/EOS where there is one) and the
+  tokenizer of a run's model record (`{"name", "path", "media"}`, or None) into `out`;
   returns the files written."""
-  name, path, media = record["name"], record.get("path", ""), bool(record.get("media"))
-  tok = tokenizer_lib.load(name, path, media=media)
+  tok = tokenizer_lib.load(record["name"], record.get("path", ""), media=bool(record.get("media"))) if record else None
+  generation = {"do_sample": False} if tok is None else {"do_sample": False, "bos_token_id": tok.bos_id,
+                                                         "eos_token_id": tok.eos_id}
+  with open(os.path.join(out, "generation_config.json"), "w") as f:
+    json.dump(generation, f, indent=2)
+  if tok is None:
+    return ["generation_config.json"]
+  return ["generation_config.json", *_tokenizer_files(record, tok, out)]
+
+
+def _tokenizer_files(record: dict, tok, out: str) -> list[str]:
+  name, path = record["name"], record.get("path", "")
   if name == "bytes":
     byte_tokenizer_json(tok).save(os.path.join(out, "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer_lib.BOS_TOKEN,
@@ -72,12 +83,3 @@ def write(record: dict, out: str) -> list[str]:
     shutil.copyfile(beside, os.path.join(out, tokenizer_files.TOKENIZER_CONFIG))
     files.append(tokenizer_files.TOKENIZER_CONFIG)
   return files
-
-
-def generation_config(record: dict | None) -> dict:
-  """generation_config.json: greedy, with the tokenizer's BOS/EOS ids where the run names one."""
-  out: dict = {"do_sample": False}
-  if record:
-    tok = tokenizer_lib.load(record["name"], record.get("path", ""), media=bool(record.get("media")))
-    out.update(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
-  return out

@@ -472,6 +472,13 @@ class K25Config:
     }
 
 
+def own_fields(cfg: "ModelConfig | K25Config") -> dict[str, Any]:
+  """k25jax's own fields (`OURS`: layout, dtypes, kernels) of a config's text model: what a
+  config.json does not hold, and `from_hf_dict(hf, **own_fields(cfg))` takes back."""
+  text = cfg.text if isinstance(cfg, K25Config) else cfg
+  return {name: getattr(text, name) for name in OURS}
+
+
 def _k25_vision() -> VisionConfig:
   return VisionConfig(patch_size=14, pos_emb_height=64, pos_emb_width=64, pos_emb_time=4,
                       num_attention_heads=16, num_hidden_layers=27, hidden_size=1152,

@@ -14,9 +14,6 @@ checkpoint only).
 """
 from __future__ import annotations
 
-import json
-import os
-
 import jax
 import jax.numpy as jnp
 from absl import logging
@@ -37,11 +34,8 @@ def export(workdir: str, out: str, dtype: str = "float32") -> str:
     params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)) if jnp.issubdtype(x.dtype, jnp.floating) else x,
                           params)
   hf.save(cfg, params, out)
-  with open(os.path.join(out, "generation_config.json"), "w") as f:
-    json.dump(hf_tokenizer.generation_config(tokenizer), f, indent=2)
-  if tokenizer:
-    hf_tokenizer.write(tokenizer, out)
-  else:
+  hf_tokenizer.write(tokenizer, out)
+  if not tokenizer:
     logging.warning("%s names no tokenizer (its stage's config has no data.tokenizer): %s has no tokenizer files",
                     workdir, out)
   return out

@@ -20,7 +20,7 @@ import dataclasses
 
 from k25jax.convert import hf
 from k25jax.model import k25
-from k25jax.model.config import OURS, K25Config
+from k25jax.model.config import OURS, K25Config, own_fields
 
 
 def differences(run, folder, prefix: str = "") -> list[str]:
@@ -52,7 +52,7 @@ def load_params(model, path: str, shardings, fresh):
   from a text folder)."""
   cfg = model.cfg
   text = cfg.text if isinstance(cfg, K25Config) else cfg
-  ours = {name: getattr(text, name) for name in OURS}
+  ours = own_fields(cfg)
   multimodal = "vision_config" in hf.read_config(path)
   if isinstance(cfg, K25Config) and multimodal:
     loaded_cfg, params = hf.load(path, shardings, **ours)

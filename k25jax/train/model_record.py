@@ -9,16 +9,14 @@ from __future__ import annotations
 import json
 import os
 
-from k25jax.model.config import OURS, K25Config, ModelConfig
+from k25jax.model.config import K25Config, ModelConfig, own_fields
 
 FILE = "model_config.json"
 
 
 def write(workdir: str, cfg: ModelConfig | K25Config, tokenizer: dict | None = None) -> None:
   """`tokenizer`: {"name", "path", "media"} as `tokenizer.load` takes them, or None."""
-  text = cfg.text if isinstance(cfg, K25Config) else cfg
-  record = {"hf_config": cfg.to_hf_dict(), "ours": {name: getattr(text, name) for name in OURS},
-            "tokenizer": tokenizer}
+  record = {"hf_config": cfg.to_hf_dict(), "ours": own_fields(cfg), "tokenizer": tokenizer}
   path = os.path.join(workdir, FILE)
   os.makedirs(workdir, exist_ok=True)
   with open(path + ".tmp", "w") as f:
