@@ -8,8 +8,8 @@ zero-vision SFT with visual examples (the image batches, then tool rollouts with
 without the image); and vision RL from an SFT start trained here (image prompts encoded on
 the mesh, the K2.5 loss with the images).
 
-The three processes (`single`: one process, 4 devices; process 0 and 1) start once and run
-the five stages in turn, each into its own workdir and metrics file; a test per stage
+The three processes (`single`: one process, 4 devices; process 0 and 1; LLVM at its quickest
+level, cpu_env.COMPILE_BOUND_FLAGS) start once and run the five stages in turn, each into its own workdir and metrics file; a test per stage
 compares them: every logged metric, and the params of the last checkpoint (the pair's saved
 by both processes together). Run as a script, this file is one such worker.
 """
@@ -102,9 +102,10 @@ def run_stage(stage: str, workdir: str, init: str) -> dict[str, np.ndarray]:
   return {name: np.asarray(values) for name, values in out.items()}
 
 
-def sft_start(workdir: str) -> str:
+def sft_start(workdir: str) -> None:
   """A K2.5 start for the rl_vision runs: the micro SFT model after 40 steps of direct
-  answers to counting questions (greedy accuracy ~0.4, so groups get different rewards)."""
+  answers to counting questions (greedy accuracy ~0.4, so groups get different rewards),
+  on the process's devices."""
   from k25jax.stages import sft
   config = stage_config("sft")
   config.mesh.update(data=-1, fsdp=1)
@@ -113,7 +114,6 @@ def sft_start(workdir: str) -> str:
   config.optimizer.update(lr=3e-3, warmup_steps=5, decay_steps=20)
   config.eval.update(tasks=4, max_turns=1, settings="image_no_tool")
   sft.run(config, workdir)
-  return workdir
 
 
 def free_port() -> int:
@@ -130,14 +130,18 @@ WORKERS = (("single", 4), ("0", 2), ("1", 2))
 def runs(tmp_path_factory):
   """The metrics of every stage on every worker, {(who, stage): {name: values}}, and the
   workdirs of the one-process run and of the pair: the RL warm start (shared) and the vision
-  RL's SFT start (trained here) first, then the three workers started together."""
+  RL's SFT start (trained here, in a one-device process) first, then the three workers
+  started together, compiling at LLVM's quickest level (each stage runs two steps)."""
   tmp = tmp_path_factory.mktemp("multiprocess")
-  inits = {"rl": shared_runs.compact_toggle_warm_start(), "rl_vision": sft_start(str(tmp / "sft"))}
-  port = free_port()
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
-  workers = [subprocess.Popen([sys.executable, __file__, who, str(port), str(tmp), inits["rl"], inits["rl_vision"]],
-                              env=dict(env, XLA_FLAGS=xla_flags(devices)),
+  rl_init, sft_init = shared_runs.compact_toggle_warm_start(), str(tmp / "sft")
+  start = subprocess.run([sys.executable, __file__, "sft_start", sft_init], env=dict(env, XLA_FLAGS=xla_flags()),
+                         capture_output=True, text=True, timeout=900)
+  assert start.returncode == 0, start.stderr[-3000:]
+  port = free_port()
+  workers = [subprocess.Popen([sys.executable, __file__, who, str(port), str(tmp), rl_init, sft_init],
+                              env=dict(env, XLA_FLAGS=xla_flags(devices, compile_bound=True)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for who, devices in WORKERS]
   outputs = [w.communicate(timeout=1800)[0] for w in workers]
@@ -200,11 +204,14 @@ def test_two_processes_match_one(runs, stage):
     np.testing.assert_allclose(pair[name], value, rtol=1e-4, atol=2e-5, err_msg=name)
 
 
-if __name__ == "__main__":
-  who, port, root, rl_init, sft_init = sys.argv[1], int(sys.argv[2]), *sys.argv[3:6]
+if __name__ == "__main__":     # `sft_start WORKDIR`, or a worker: `WHO PORT ROOT RL_INIT SFT_INIT`
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   import jax
   jax.config.update("jax_default_matmul_precision", "highest")
+  if sys.argv[1] == "sft_start":
+    sft_start(sys.argv[2])
+    sys.exit(0)
+  who, port, root, rl_init, sft_init = sys.argv[1], int(sys.argv[2]), *sys.argv[3:6]
   if who != "single":
     jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=int(who))
   assert jax.device_count() == 4, jax.device_count()

@@ -111,11 +111,11 @@ def test_unknown_loss_is_refused():
 
 @pytest.mark.slow
 def test_rl_raises_held_out_accuracy(tmp_path):
-  # The compact rendering (17 ids): held-out sampled accuracy 0.256 -> 0.299, 0.332, 0.391, 0.408
-  # at 5, 10, 15, 20 iterations on the 8 test devices. The chat rendering learns slower and its
-  # warm start moves with float noise: 0.166 -> 0.275 at 20 iterations under LLVM's default level,
-  # 0.229 -> 0.262 at 20 and 0.295 at 40 under the tests' (tests/cpu_env.py).
+  # From the session's compact warm start (tests/shared_runs.py; the Toggle and two-process tests
+  # start from it too). Earlier, from the stage's own built-in warm start: held-out sampled accuracy
+  # 0.256 -> 0.299, 0.332, 0.391, 0.408 at 5, 10, 15, 20 iterations on the 8 test devices.
   config = load_config("configs/rl.py", "tiny,compact")
+  config.init.checkpoint = shared_runs.compact_toggle_warm_start()
   config.train.steps = 15
   config.train.eval_every = 15
   state, history = rl.run(config, str(tmp_path))

@@ -83,12 +83,14 @@ def test_joint_tasks_interleave_kinds_and_keep_text_tasks_imageless():
 
 
 @pytest.mark.slow
-def test_joint_rl_mixes_text_and_image_tasks_and_logs_abilities(tmp_path):
-  """One run over addition (text only) and counting (an image): minibatches of one group each,
-  so some updates are text-only and some carry an image; accuracy and length per ability."""
-  config = _small(load_config("configs/rl.py", "joint"))
+def test_joint_rl_with_toggle_mixes_text_and_image_tasks_alternates_phases_and_logs_abilities(tmp_path):
+  """One run over addition (text only) and counting (an image), Toggle on: minibatches of one
+  group each, so some updates are text-only and some carry an image; accuracy and length per
+  ability; the budgets fixed from the start, the phases alternating every iteration."""
+  config = _small(load_config("configs/rl.py", "joint,toggle"))
   config.task.kinds = "addition,count"
   config.rl.update(minibatches=2, num_generations=8)    # 8 rows a minibatch: one per host device
+  config.toggle.update(m=1, budget_samples=2)
   seed, n = config.train.seed, config.task.train_prompts
   drawn = [np.random.default_rng([seed, it]).choice(n, config.rl.prompts_per_iteration, replace=False)
            for it in range(config.train.steps)]
@@ -99,25 +101,15 @@ def test_joint_rl_mixes_text_and_image_tasks_and_logs_abilities(tmp_path):
   assert int(state.step) == config.train.steps * 2
   train = [h for h in history if h["split"] == "train"]
   assert all(np.isfinite(h["loss"]) for h in train)
+  assert [h["toggle_phase"] for h in train] == [0, 1]
+  assert all(h["shaped_reward"] <= h["reward"] for h in train)
+  budgets = np.load(tmp_path / "run" / "toggle_budgets.npy")
+  assert budgets.shape == (config.task.train_prompts,)
   evals = [h for h in history if h["split"] == "eval"]
   for h in evals:
     for ability in ("arithmetic", "visual_counting"):
       assert 0.0 <= h[f"{ability}/accuracy"] <= 1.0 and h[f"{ability}/length"] > 0
       assert 0.0 <= h[f"greedy_{ability}/accuracy"] <= 1.0
-
-
-@pytest.mark.slow
-def test_joint_rl_with_toggle_fixes_budgets_from_the_start_and_alternates_phases(tmp_path):
-  config = _small(load_config("configs/rl.py", "joint,toggle"))
-  config.task.kinds = "addition,count"
-  config.toggle.update(m=1, budget_samples=2)
-  config.init.checkpoint = _start(config, tmp_path)
-  _, history = rl_vision.run(config, str(tmp_path / "run"))
-  budgets = np.load(tmp_path / "run" / "toggle_budgets.npy")
-  assert budgets.shape == (config.task.train_prompts,)
-  train = [h for h in history if h["split"] == "train"]
-  assert [h["toggle_phase"] for h in train] == [0, 1]
-  assert all(h["shaped_reward"] <= h["reward"] for h in train)
 
 
 def test_held_out_sums_are_not_training_sums():
