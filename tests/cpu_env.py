@@ -25,6 +25,6 @@ def xla_flags(devices: int | None = None, compile_bound: bool = False) -> str:
   return (COMPILE_BOUND_FLAGS if compile_bound else COMPILE_FLAGS) + count
 
 
-def subprocess_env(devices: int | None = None, **extra) -> dict:
-  """This process's environment for a CPU subprocess with `devices` host devices."""
-  return dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu", **extra)
+def subprocess_env(devices: int | None = None, compile_bound: bool = False, **extra) -> dict:
+  """This process's environment for a CPU subprocess with `devices` host devices (`xla_flags`)."""
+  return dict(os.environ, XLA_FLAGS=xla_flags(devices, compile_bound), JAX_PLATFORMS="cpu", **extra)
