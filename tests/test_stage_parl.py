@@ -1,38 +1,6 @@
-"""The PARL main command end to end at toy length: warm start, RL iterations, summary table."""
-import json
-import os
-import subprocess
-import sys
-
+"""The PARL stage's config checks and its warm start (the main command end to end runs in
+tests/test_notebooks.py, after parl.ipynb, whose compiled programs it loads)."""
 import pytest
-from cpu_env import subprocess_env
-
-ROOT = os.path.join(os.path.dirname(__file__), "..")
-
-
-@pytest.mark.slow
-def test_main_command_runs_parl_and_prints_the_summary(tmp_path):
-  overrides = ["--config.warm_start.steps=10", "--config.warm_start.demonstrations=100",   # colab/parl.ipynb's smoke
-               "--config.warm_start.batch=32", "--config.warm_start.optimizer.warmup_steps=2",
-               "--config.warm_start.optimizer.decay_steps=4", "--config.train.steps=2",
-               "--config.rl.prompts_per_iteration=2", "--config.rl.num_generations=2", "--config.train.eval_every=2",
-               "--config.parl.eval_tasks=2", "--config.parl.anneal_steps=1", "--config.optimizer.warmup_steps=1",
-               "--config.parl.subagent_turn_tokens=24", "--config.train.log_every=1", "--config.train.checkpoint_every=2",
-               "--config.warm_start.checkpoint_every=10"]
-  env = subprocess_env()
-  out = subprocess.run([sys.executable, "-m", "k25jax.main", "--config=configs/parl.py", f"--workdir={tmp_path}",
-                        *overrides], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert "PARL summary" in out.stdout
-  for policy in ("swarm (trained), sampled", "single agent (warm start), greedy"):
-    assert policy in out.stdout
-  curves = json.loads((tmp_path / "parl_curves.json").read_text())
-  train = [row for row in curves if row["split"] == "train"]
-  assert [row["iteration"] for row in train] == [1, 2]
-  assert all(0.0 <= row["item_f1"] <= 1.0 and row["critical_steps"] <= 10 for row in train)   # budgets 3-10
-  final = curves[-1]["rows"]
-  assert final["single agent (warm start), greedy"]["num_created"] == 0.0
-  assert (tmp_path / "checkpoints").is_dir() and (tmp_path / "tensorboard").is_dir()
 
 
 @pytest.mark.parametrize("field, value, message", [
