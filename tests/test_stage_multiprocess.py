@@ -1,15 +1,16 @@
 """Stages on two processes (jax.distributed over localhost, gloo CPU collectives, 2 devices
 each) train exactly as on one process with 4 devices: the ViT stage (both phases) and joint
-pre-training, with their media sharded with the rows; RL with Toggle (the sampler's
-rollouts and budgets, the policy updates and the evaluation, from one warm start trained
-once, tests/shared_runs.py's: after hundreds of steps two runs of it differ by float noise,
-and sampling at T = 1 turns that into different tokens);
-zero-vision SFT with visual examples (the image batches, then tool rollouts with and
-without the image); and vision RL from an SFT start trained here (image prompts encoded on
-the mesh, the K2.5 loss with the images).
+pre-training, with their media sharded with the rows; zero-vision SFT with visual examples
+(the image batches, then tool rollouts with and without the image); and vision RL with
+Toggle (the sampler's rollouts and Toggle's budgets, image prompts encoded on the mesh, the
+K2.5 loss with the images, the evaluation) from an SFT start trained once, here: after tens
+of steps two runs of it differ by float noise, and sampling at T = 1 turns that into
+different tokens. (The text RL stage ran here too, with Toggle; its sampler, Toggle and
+driver are the ones vision RL runs, so this run stands for both.)
 
 The three processes (`single`: one process, 4 devices; process 0 and 1; LLVM at its quickest
-level, cpu_env.COMPILE_BOUND_FLAGS) start once and run the five stages in turn, each into its own workdir and metrics file; a test per stage
+level, cpu_env.COMPILE_BOUND_FLAGS) start once and run the four stages in turn, each into its
+own workdir and metrics file; a test per stage
 compares them: every logged metric, and the params of the last checkpoint (the pair's saved
 by both processes together). Run as a script, this file is one such worker.
 """
@@ -21,7 +22,6 @@ import sys
 
 import numpy as np
 import pytest
-import shared_runs
 from cpu_env import xla_flags
 
 MICRO_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -31,19 +31,10 @@ STEPS = 2
 
 
 def stage_config(stage: str, init: str = ""):
-  """Micro configs of the joint (media in 4 shards, one per data shard) and RL stages;
-  `init`: the RL run's init.checkpoint."""
+  """Micro configs of the stages (joint pre-training and ViT: media in 4 shards, one per data
+  shard); `init`: the RL run's init.checkpoint."""
   from config_files import load_config
   from configs import common
-  if stage == "rl":
-    config = shared_runs.compact_toggle_rl_config()    # its warm start answers some prompts right
-    config.init.checkpoint = init
-    config.optimizer.update(warmup_steps=1)
-    config.rl.update(prompts_per_iteration=8, num_generations=4, eval_samples=1)
-    config.toggle.update(m=1, budget_samples=2)
-    config.mesh.update(data=2, fsdp=2)
-    config.train.update(steps=STEPS, log_every=1, eval_every=STEPS, checkpoint_every=STEPS)
-    return config
   if stage == "sft":         # zero-vision trajectories + visual examples; eval with and without the image
     config = load_config("configs/sft.py", "tiny,visual")
     config.model.text.update(MICRO_TEXT, max_position_embeddings=384)
@@ -55,12 +46,13 @@ def stage_config(stage: str, init: str = ""):
     config.eval.update(tasks=4, max_turns=2, max_context=320, turn_tokens=8, settings="text_tool,image_tool")
     config.mesh.update(data=2, fsdp=2)
     return config
-  if stage == "rl_vision":   # image prompts, tool rollouts, the K2.5 loss with the images
-    config = load_config("configs/rl.py", "vision")
+  if stage == "rl_vision":   # image prompts, tool rollouts, Toggle, the K2.5 loss with the images
+    config = load_config("configs/rl.py", "vision,toggle")
     config.model.text.update(MICRO_TEXT, max_position_embeddings=256)
     config.model.vision.num_hidden_layers = 1
     config.init.checkpoint = init
     config.task.update(train_prompts=8, eval_prompts=4, kinds="count")
+    config.toggle.update(m=1, budget_samples=2)
     config.rl.update(prompts_per_iteration=2, num_generations=4, minibatches=1, max_turns=2, max_context=192,
                      turn_tokens=8, eval_samples=1)
     config.train.update(steps=STEPS, eval_every=STEPS, log_every=1, checkpoint_every=STEPS)
@@ -91,8 +83,8 @@ def stage_config(stage: str, init: str = ""):
 
 def run_stage(stage: str, workdir: str, init: str) -> dict[str, np.ndarray]:
   """Every logged train and eval metric of the stage's run, by split and name."""
-  from k25jax.stages import pretrain, rl, rl_vision, sft, vit
-  stages = {"joint": pretrain, "rl": rl, "sft": sft, "rl_vision": rl_vision, "vit": vit}
+  from k25jax.stages import pretrain, rl_vision, sft, vit
+  stages = {"joint": pretrain, "sft": sft, "rl_vision": rl_vision, "vit": vit}
   _, history = stages[stage].run(stage_config(stage, init), workdir)
   out = {}
   for record in history:
@@ -122,25 +114,25 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-STAGES = ("joint", "vit", "rl", "sft", "rl_vision")
+STAGES = ("joint", "vit", "sft", "rl_vision")
 WORKERS = (("single", 4), ("0", 2), ("1", 2))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   """The metrics of every stage on every worker, {(who, stage): {name: values}}, and the
-  workdirs of the one-process run and of the pair: the RL warm start (shared) and the vision
-  RL's SFT start (trained here, in a one-device process) first, then the three workers
+  workdirs of the one-process run and of the pair: vision RL's SFT start (trained here, in a
+  one-device process) first, then the three workers
   started together, compiling at LLVM's quickest level (each stage runs two steps)."""
   tmp = tmp_path_factory.mktemp("multiprocess")
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
-  rl_init, sft_init = shared_runs.compact_toggle_warm_start(), str(tmp / "sft")
+  sft_init = str(tmp / "sft")
   start = subprocess.run([sys.executable, __file__, "sft_start", sft_init], env=dict(env, XLA_FLAGS=xla_flags()),
                          capture_output=True, text=True, timeout=900)
   assert start.returncode == 0, start.stderr[-3000:]
   port = free_port()
-  workers = [subprocess.Popen([sys.executable, __file__, who, str(port), str(tmp), rl_init, sft_init],
+  workers = [subprocess.Popen([sys.executable, __file__, who, str(port), str(tmp), sft_init],
                               env=dict(env, XLA_FLAGS=xla_flags(devices, compile_bound=True)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for who, devices in WORKERS]
@@ -169,11 +161,11 @@ def final_params(workdir: str) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("stage", STAGES)
 def test_the_micro_configs_pass_their_stages_checks(stage):
   """What the workers run is a valid run of the stage: its fields and its stage's own check."""
-  from k25jax.stages import pretrain, rl, rl_vision, sft, vit
+  from k25jax.stages import pretrain, rl_vision, sft, vit
   from k25jax.train import config_check
   config = stage_config(stage, init="/a/warm_start")
   config_check.validate(config)
-  {"joint": pretrain, "rl": rl, "sft": sft, "rl_vision": rl_vision, "vit": vit}[stage].check(config)
+  {"joint": pretrain, "sft": sft, "rl_vision": rl_vision, "vit": vit}[stage].check(config)
 
 
 @pytest.mark.slow
@@ -182,8 +174,9 @@ def test_two_processes_match_one(runs, stage):
   metrics, workdirs = runs
   single = metrics["single", stage]
   assert len(single["train/loss"]) == STEPS
-  if stage in ("rl", "rl_vision"):      # groups with different rewards: a policy gradient to agree on
+  if stage == "rl_vision":      # groups with different rewards: a policy gradient to agree on; both Toggle phases
     assert 0 < single["train/reward"].min() and single["train/reward"].max() < 1 and single["train/grad_norm"].min() > 1e-2
+    assert list(single["train/toggle_phase"]) == [0, 1]
   else:
     assert single["train/grad_norm"].min() > 0 and single["train/skipped_steps"].max() == 0
   if stage in ("joint", "vit"):      # answers of images that the tower encoded in their shards
@@ -204,18 +197,17 @@ def test_two_processes_match_one(runs, stage):
     np.testing.assert_allclose(pair[name], value, rtol=1e-4, atol=2e-5, err_msg=name)
 
 
-if __name__ == "__main__":     # `sft_start WORKDIR`, or a worker: `WHO PORT ROOT RL_INIT SFT_INIT`
+if __name__ == "__main__":     # `sft_start WORKDIR`, or a worker: `WHO PORT ROOT SFT_INIT`
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   import jax
   jax.config.update("jax_default_matmul_precision", "highest")
   if sys.argv[1] == "sft_start":
     sft_start(sys.argv[2])
     sys.exit(0)
-  who, port, root, rl_init, sft_init = sys.argv[1], int(sys.argv[2]), *sys.argv[3:6]
+  who, port, root, sft_init = sys.argv[1], int(sys.argv[2]), *sys.argv[3:5]
   if who != "single":
     jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=int(who))
   assert jax.device_count() == 4, jax.device_count()
-  inits = {"rl": rl_init, "rl_vision": sft_init}
   for stage_name in STAGES:
     workdir = os.path.join(root, "single" if who == "single" else "pair", stage_name)
-    np.savez(os.path.join(root, f"{who}_{stage_name}.npz"), **run_stage(stage_name, workdir, inits.get(stage_name, "")))
+    np.savez(os.path.join(root, f"{who}_{stage_name}.npz"), **run_stage(stage_name, workdir, sft_init if stage_name == "rl_vision" else ""))
