@@ -24,9 +24,13 @@ How long a run is (`train`), the same in every stage:
   train.steps           supervised stages: optimizer steps; RL stages (rl, rl_vision, parl):
                         iterations, each one round of rollouts then `rl.minibatches` updates
   train.log_every, eval_every, checkpoint_every   in those steps (and at the last one)
+  train.checkpoint_minutes   a checkpoint also when this many minutes passed since the last
+                        save (0: off); whichever of it and checkpoint_every comes first
   train.keep_checkpoints, train.seed
   train.max_consecutive_skipped   updates skipped in a row (non-finite loss, gradients or
                         updated state) that stop a run as diverged, naming its last good checkpoint
+SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C) ends a run at the next step boundary with a
+checkpoint; `python -m k25jax.main` then exits 143 (k25jax/train/preemption.py).
 
 Lengths that follow the run: every length measured in the run's steps (the optimizer's warmup
 and decay, evaluation and checkpoint cadence, Toggle's phase, PARL's λ anneal, the ViT stage's

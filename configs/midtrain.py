@@ -71,7 +71,7 @@ def get_config(arg=None):
       eval_every=20,
       eval_batches=2,
       checkpoint_every=20,
-      keep_checkpoints=2,
+      checkpoint_minutes=0.0, keep_checkpoints=2,
       seed=0,
       router_bias_rate=1e-3,
       balance_loss_alpha=1e-4,

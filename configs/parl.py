@@ -81,7 +81,8 @@ def get_config(arg=None):
   c.optimizer = common.optimizer_section(3e-4, 5, 0, name="muonclip")
   c.mesh = common.mesh_section()
   c.train = ml_collections.ConfigDict(dict(
-      steps=80, log_every=10, eval_every=20, checkpoint_every=40, keep_checkpoints=2, seed=0, router_bias_rate=1e-3,
+      steps=80, log_every=10, eval_every=20, checkpoint_every=40, checkpoint_minutes=0.0, keep_checkpoints=2,
+      seed=0, router_bias_rate=1e-3,
       max_consecutive_skipped=10))
   # Lengths that follow the run (common.rl_follow_the_run), and the λ anneal over iterations.
   common.rl_follow_the_run(c)

@@ -74,7 +74,7 @@ def get_config(arg=None):
       eval_every=100 if tiny else 1000,
       eval_batches=4 if tiny else 16,
       checkpoint_every=100 if tiny else 1000,
-      keep_checkpoints=3,
+      checkpoint_minutes=0.0, keep_checkpoints=3,
       seed=0,
       router_bias_rate=1e-3,               # γ of the auxiliary-loss-free router-bias update
       balance_loss_alpha=1e-4,             # α of the sequence-wise balance loss

@@ -90,7 +90,7 @@ def get_config(arg=None):
   c.optimizer = common.optimizer_section(2e-4, 5, 0, name="muonclip")
   c.mesh = common.mesh_section()
   c.train = ml_collections.ConfigDict(dict(
-      steps=150, log_every=10, eval_every=10, checkpoint_every=50, keep_checkpoints=2, seed=0,
+      steps=150, log_every=10, eval_every=10, checkpoint_every=50, checkpoint_minutes=0.0, keep_checkpoints=2, seed=0,
       router_bias_rate=1e-3, max_consecutive_skipped=10))
   if k25:   # a pod: 1024 rollouts an iteration, 256 rows of 16K tokens an update (8K tokens a chip)
     c.rl.update(prompts_per_iteration=128, minibatches=4, max_new_tokens=16384)
@@ -136,7 +136,8 @@ def vision_config(preset: str, switches: set) -> ml_collections.ConfigDict:
   c.optimizer = common.optimizer_section(2e-4, 5, 0, name="muonclip")
   c.mesh = common.mesh_section()
   c.train = ml_collections.ConfigDict(dict(
-      steps=30, log_every=5, eval_every=10, checkpoint_every=10, keep_checkpoints=2, seed=0, router_bias_rate=1e-3,
+      steps=30, log_every=5, eval_every=10, checkpoint_every=10, checkpoint_minutes=0.0, keep_checkpoints=2,
+      seed=0, router_bias_rate=1e-3,
       max_consecutive_skipped=10))
   follow_the_run(c)
   return c

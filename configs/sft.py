@@ -43,7 +43,8 @@ def get_config(arg=None):
       vision_replay=0))  # joint pre-training image samples (loss on the answer), in train.visual_batch rows
 
   c.train = ml_collections.ConfigDict(dict(
-      steps=1000, batch=16, visual_batch=8, seed=0, log_every=50, checkpoint_every=200, keep_checkpoints=2,
+      steps=1000, batch=16, visual_batch=8, seed=0, log_every=50, checkpoint_every=200,
+      checkpoint_minutes=0.0, keep_checkpoints=2,
       router_bias_rate=1e-3, balance_loss_alpha=1e-4, z_loss=0.0, max_consecutive_skipped=10))
   c.optimizer = common.optimizer_section(3e-3, 30, 300, name="muonclip")
 

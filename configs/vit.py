@@ -43,7 +43,7 @@ def get_config(arg=None):
       eval_every=50,
       eval_batches=2,
       checkpoint_every=100,
-      keep_checkpoints=2,
+      checkpoint_minutes=0.0, keep_checkpoints=2,
       seed=0,
       z_loss=1e-4,
       balance_loss_alpha=0.0,                # the language model is frozen

@@ -1,6 +1,8 @@
 """`python -m k25jax.main`: flags, overrides and the errors a user meets first."""
 import glob
 import os
+import signal
+import socket
 import subprocess
 import sys
 
@@ -45,3 +47,68 @@ def test_presets_round_trip_their_model_configs():
     assert config_utils.model_config_from(config.model) == model_config.preset(preset)
   with pytest.raises(ValueError, match="unknown preset"):
     load_pretrain_config("huge")
+
+
+@pytest.mark.slow
+def test_sigterm_saves_logs_one_line_and_exits_143_then_the_same_command_resumes(tmp_path):
+  """A real SIGTERM to `python -m k25jax.main` once it has logged step 3: it saves the step in
+  flight, says so in one line and exits with preemption.EXIT_PREEMPTED; the same command then
+  resumes from that checkpoint and finishes."""
+  command = [sys.executable, "-m", "k25jax.main", "--config=configs/pretrain.py", *MICRO, f"--workdir={tmp_path}",
+             "--config.train.steps=100", "--config.train.log_every=1", "--config.train.checkpoint_every=1000"]
+  run = subprocess.Popen(command, cwd=ROOT, env=subprocess_env(), stderr=subprocess.PIPE, text=True)
+  seen = []
+  for line in run.stderr:
+    seen.append(line)
+    if "step 3/100" in line:
+      run.send_signal(signal.SIGTERM)
+      break
+  seen += run.stderr.readlines()
+  assert run.wait(timeout=120) == 143, "".join(seen[-30:])
+  stopped = [line for line in seen if "preempted at step" in line]
+  assert len(stopped) == 1 and "; rerun the same command to resume" in stopped[0], "".join(seen[-30:])
+  step = int(stopped[0].split("preempted at step ")[1].split(":")[0])
+  assert 3 <= step < 100 and os.listdir(tmp_path / "checkpoints") == [str(step)]
+  again = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert f"restored checkpoint {step}" in again.stderr and "step 100/100" in again.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_both_resume(tmp_path):
+  """Two processes (jax.distributed over localhost, 2 devices each); SIGTERM to process 1 only:
+  both save the same step (process 0 learns of the signal at the next step boundary), both
+  exit 143, and the same two commands resume from that step and finish."""
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+
+  def command(pid):
+    return [sys.executable, "-m", "k25jax.main", "--config=configs/pretrain.py", *MICRO, f"--workdir={tmp_path}",
+            "--config.train.steps=100", "--config.train.log_every=1", "--config.train.checkpoint_every=1000",
+            f"--coordinator_address=localhost:{port}", "--num_processes=2", f"--process_id={pid}"]
+
+  logs = [open(tmp_path / f"process_{pid}.log", "w+") for pid in (0, 1)]
+  first = subprocess.Popen(command(0), cwd=ROOT, env=subprocess_env(2), stderr=logs[0], text=True)
+  second = subprocess.Popen(command(1), cwd=ROOT, env=subprocess_env(2), stderr=subprocess.PIPE, text=True)
+  seen = []
+  for line in second.stderr:
+    seen.append(line)
+    if "step 3/100" in line:
+      second.send_signal(signal.SIGTERM)
+      break
+  seen += second.stderr.readlines()
+  statuses = (first.wait(timeout=120), second.wait(timeout=120))
+  logs[0].seek(0)
+  texts = (logs[0].read(), "".join(seen))
+  assert statuses == (143, 143), "\n".join(t[-2000:] for t in texts)
+  steps = {int(t.split("preempted at step ")[1].split(":")[0]) for t in texts}
+  assert len(steps) == 1 and "another process received a signal" in texts[0]
+  step = steps.pop()
+  assert os.listdir(tmp_path / "checkpoints") == [str(step)]
+  again = [subprocess.Popen(command(pid), cwd=ROOT, env=subprocess_env(2), stderr=subprocess.PIPE, text=True)
+           for pid in (0, 1)]
+  outputs = [p.communicate(timeout=300)[1] for p in again]
+  for p, err in zip(again, outputs):
+    assert p.returncode == 0, err[-3000:]
+    assert f"restored checkpoint {step}" in err and "step 100/100" in err

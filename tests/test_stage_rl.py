@@ -1,4 +1,9 @@
-"""The RL stage: rollout packing, π_old consistency, config validation, and accuracy rising end to end."""
+"""The RL stage: rollout packing, π_old consistency, config validation, accuracy rising end to
+end, and SIGTERM at three moments of an iteration with a rerun that ends as the uninterrupted run."""
+import os
+import shutil
+import signal
+
 from config_files import load_config
 import jax
 import jax.numpy as jnp
@@ -9,9 +14,9 @@ import shared_runs
 from flax import traverse_util
 
 from k25jax.model import transformer
-from k25jax.rl import policy_loss, rollout, sampler, tasks
+from k25jax.rl import driver, policy_loss, rollout, sampler, tasks
 from k25jax.stages import rl
-from k25jax.train import config_utils, sharding, trainer as trainer_lib
+from k25jax.train import checkpoint, config_utils, preemption, sharding, trainer as trainer_lib
 
 
 def test_rows_align_targets_mask_and_old_logprobs():
@@ -132,20 +137,88 @@ def test_rl_raises_held_out_accuracy(tmp_path):
 
 
 @pytest.mark.slow
-def test_toggle_run_fixes_its_budgets_once_and_resumes_with_them(tmp_path):
-  config = shared_runs.compact_toggle_rl_config()
-  config.init.checkpoint = shared_runs.compact_toggle_warm_start()     # the two-process RL comparison's
-  config.rl.prompts_per_iteration = 8
-  config.train.update(steps=3, eval_every=3, checkpoint_every=2)
-  config.toggle.m = 1
-  _, history = rl.run(config, str(tmp_path))
+def test_toggle_run_fixes_its_budgets_once_and_resumes_with_them(uninterrupted, tmp_path):
+  workdir, _, history = uninterrupted
+  shutil.copytree(workdir, tmp_path, dirs_exist_ok=True)
   budgets = np.load(tmp_path / "toggle_budgets.npy")
   assert budgets.shape == (64,) and np.all(budgets > 0)
   phases = [h["toggle_phase"] for h in history if h["split"] == "train"]
   assert phases == [0, 1, 0]
+  config = _preemption_config()
   config.train.steps = 4                       # resume from iteration 3: same budgets, not re-estimated
   np.save(tmp_path / "toggle_budgets.npy", budgets + 1000)
   _, resumed = rl.run(config, str(tmp_path))
   assert [h["iteration"] for h in resumed if h["split"] == "train"] == [4]
   assert [h["toggle_phase"] for h in resumed if h["split"] == "train"] == [1]
   np.testing.assert_array_equal(np.load(tmp_path / "toggle_budgets.npy"), budgets + 1000)
+
+
+def _preemption_config():
+  """Three iterations of the compact Toggle run from the session's warm start (Toggle's phase
+  every iteration), a checkpoint every 2."""
+  config = shared_runs.compact_toggle_rl_config()
+  config.init.checkpoint = shared_runs.compact_toggle_warm_start()
+  config.rl.prompts_per_iteration = 8
+  config.train.update(steps=3, eval_every=3, checkpoint_every=2)
+  config.toggle.m = 1
+  return config
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  """`_preemption_config`'s run: (workdir, final state, history)."""
+  workdir = str(tmp_path_factory.mktemp("rl_uninterrupted"))
+  state, history = rl.run(_preemption_config(), workdir)
+  return workdir, jax.device_get(state), history
+
+
+def _signal_during(monkeypatch, moment: str) -> int:
+  """Sends this process SIGTERM while iteration 2 samples its rollouts, during the evaluation
+  at iteration 0, or twice during the save of iteration 2; returns the iteration the run must
+  stop after."""
+  kill = lambda: os.kill(os.getpid(), signal.SIGTERM)
+  if moment == "mid_save":
+    save = checkpoint.Checkpoints.save
+
+    def save_with_signals(self, step, *args):
+      if step == 2:
+        kill()
+        kill()
+      save(self, step, *args)
+
+    monkeypatch.setattr(checkpoint.Checkpoints, "save", save_with_signals)
+    return 2
+  train = driver.train
+
+  def train_with_signal(trainer, state, config, *, collect, evaluate, **kw):
+    def collect_with_signal(params, iteration):
+      if iteration == 1:
+        kill()
+      return collect(params, iteration)
+
+    def evaluate_with_signal(params):
+      kill()
+      return evaluate(params)
+
+    if moment == "mid_step":
+      return train(trainer, state, config, collect=collect_with_signal, evaluate=evaluate, **kw)
+    return train(trainer, state, config, collect=collect, evaluate=evaluate_with_signal, **kw)
+
+  monkeypatch.setattr(driver, "train", train_with_signal)
+  return 2 if moment == "mid_step" else 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["mid_step", "mid_evaluation", "mid_save"])
+def test_sigterm_stops_after_the_iteration_in_flight_and_the_rerun_ends_as_the_uninterrupted_run(
+    uninterrupted, tmp_path, monkeypatch, moment):
+  _, state, history = uninterrupted
+  stop_at = _signal_during(monkeypatch, moment)
+  with pytest.raises(preemption.Preempted, match=f"^preempted at step {stop_at}: saved to ") as stopped:
+    rl.run(_preemption_config(), str(tmp_path))
+  assert stopped.value.step == stop_at
+  monkeypatch.undo()
+  resumed, resumed_history = rl.run(_preemption_config(), str(tmp_path))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed), state)   # bitwise, rng included
+  untimed = lambda rows: [{k: v for k, v in row.items() if not k.endswith(("_s", "per_s"))} for row in rows]   # clocks
+  assert untimed(resumed_history) == untimed([h for h in history if h["iteration"] > stop_at])

@@ -1,11 +1,13 @@
 """End-to-end pretrain runs: loss falls, logs and checkpoints appear, resume is exact, a corrupt
 latest checkpoint is quarantined and the run goes on from the previous one to finish, an
-unwritable workdir fails clearly."""
+unwritable workdir fails clearly, SIGTERM mid-step, mid-evaluation or mid-save saves and stops
+at the next step and the rerun ends bit-exact with the uninterrupted run."""
 import glob
 import json
 import logging
 import os
 import shutil
+import signal
 
 import jax
 import numpy as np
@@ -14,7 +16,7 @@ import pytest
 from k25jax.data import tokenizer
 from k25jax.model import transformer
 from k25jax.stages import pretrain
-from k25jax.train import checkpoint, config_utils, optimizer, sharding, trainer as trainer_lib
+from k25jax.train import checkpoint, config_utils, loop, optimizer, preemption, sharding, trainer as trainer_lib
 from test_train_step import micro_config
 
 STEPS, EVERY = 60, 20
@@ -165,3 +167,60 @@ def test_the_byte_tokenizer_exports_as_a_tokenizer_json_transformers_reads(tmp_p
       messages, add_generation_prompt=True)
   assert theirs.apply_chat_template(messages, add_generation_prompt=True, return_dict=False) == chat.render_ids(
       ours, messages, add_generation_prompt=True)[0]
+
+
+def _signal_during(monkeypatch, moment: str) -> int:
+  """Sends this process SIGTERM inside the 7th train step, the evaluation at step 30 or the
+  save of step 20 (twice there: a second signal while it saves); returns the step the run
+  must stop at (the boundary after the signal)."""
+  kill = lambda: os.kill(os.getpid(), signal.SIGTERM)
+  if moment == "mid_step":
+    fit, calls = trainer_lib.Trainer.fit, []
+
+    def fit_with_signal(self, state, train_step, *args, **kw):
+      def step(s, batch):
+        calls.append(1)
+        if len(calls) == 7:
+          kill()
+        return train_step(s, batch)
+      return fit(self, state, step, *args, **kw)
+
+    monkeypatch.setattr(trainer_lib.Trainer, "fit", fit_with_signal)
+    return 7
+  if moment == "mid_evaluation":
+    evaluate = loop.evaluate
+
+    def evaluate_with_signal(*args):
+      kill()
+      return evaluate(*args)
+
+    monkeypatch.setattr(loop, "evaluate", evaluate_with_signal)
+    return 30
+  save = checkpoint.Checkpoints.save
+
+  def save_with_signals(self, step, *args):
+    if step == 20:
+      kill()
+      kill()
+    save(self, step, *args)
+
+  monkeypatch.setattr(checkpoint.Checkpoints, "save", save_with_signals)
+  return 20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["mid_step", "mid_evaluation", "mid_save"])
+def test_sigterm_saves_at_the_next_step_and_the_rerun_ends_as_the_uninterrupted_run(full_run, tmp_path, monkeypatch,
+                                                                                    moment):
+  workdir, state, history = full_run
+  run_dir = str(tmp_path / "run")
+  stop_at, handler = _signal_during(monkeypatch, moment), signal.getsignal(signal.SIGTERM)
+  with pytest.raises(preemption.Preempted, match=f"^preempted at step {stop_at}: saved to .*checkpoints; rerun the "
+                                                 "same command to resume$") as stopped:
+    pretrain.run(config_for_e2e(), run_dir)
+  assert stopped.value.step == stop_at and str(stop_at) in os.listdir(os.path.join(run_dir, "checkpoints"))
+  assert signal.getsignal(signal.SIGTERM) is handler      # the run's handler is gone with it
+  monkeypatch.undo()
+  resumed, resumed_history = pretrain.run(config_for_e2e(), run_dir)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed), state)   # bitwise, rng included
+  assert resumed_history == [h for h in history if h["step"] > stop_at]          # every logged number

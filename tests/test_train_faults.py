@@ -12,7 +12,7 @@ import optax
 import pytest
 from cpu_env import subprocess_env
 
-from k25jax.train import checkpoint, loop, state as state_lib
+from k25jax.train import checkpoint, loop, preemption, state as state_lib
 from test_train_step import micro_config, random_batch
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -199,7 +199,8 @@ def test_a_nan_in_an_evaluation_is_a_warning(tmp_path, caplog):
     loop.train(state, train_step=fake_step(nan_at=-1), batch_at=lambda step: 4.0, total_steps=4, tokens_per_step=4,
                log_every=4, eval_every=2, checkpoint_every=4,
                evaluate_fn=lambda s: {"loss": float("nan") if int(s.step) == 4 else 1.0, "tokens": 8.0},
-               save_fn=lambda n, s: None, writer=writer, guard=loop.SkipGuard(3, 0, str(tmp_path)))
+               save_fn=lambda n, s: None, writer=writer, guard=loop.SkipGuard(3, 0, str(tmp_path)),
+               stopper=preemption.Stopper(str(tmp_path)))
   writer.close()
   warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
   assert warnings == ["evaluation at step 4 gave non-finite values: loss nan"]

@@ -9,7 +9,9 @@ stage's `collect` and `evaluate`:
     θ       ← θ − η ∇L(θ)              the policy loss of `loss.name` (k25jax.rl.policy_loss) over
                                        `rl.minibatches` slices in order, each holding whole groups
     evaluate(θ) at iteration 0 and every train.eval_every; logs every train.log_every; a
-    checkpoint every train.checkpoint_every (each also at the last iteration, `loop.due`);
+    checkpoint every train.checkpoint_every (each also at the last iteration, `loop.due`) and
+    when the trainer's stopper says one is due (train.checkpoint_minutes) or a signal asked the
+    run to stop (then `preemption.Preempted`, after the iteration in flight and its save);
     `loop.Diverged` after train.max_consecutive_skipped skipped (non-finite) updates in a row
 
 The train state counts optimizer updates: a resumed run continues at iteration
@@ -143,9 +145,13 @@ def train(trainer, state, config: ml_collections.ConfigDict, *, collect: Callabl
       logging.info("%s iteration %d/%d  %s", name, it + 1, schedule.steps, _fmt(row, log_keys))
     if evaluate is not None and loop.due(it + 1, schedule.eval_every, schedule.steps):
       run_evaluation(it + 1, state.params)
-    if loop.due(it + 1, schedule.checkpoint_every, schedule.steps):
+    stop, save_due = trainer.stopper.poll()
+    if loop.due(it + 1, schedule.checkpoint_every, schedule.steps) or save_due or stop:
       trainer.save(it + 1, state)
       guard.saved(it + 1)
+      stop = trainer.stopper.saved()
+    if stop:
+      raise trainer.stopper.stop(it + 1)
   evals = [h for h in history if h["split"] == "eval"]
   if evals and summary_keys:
     logging.info("%s summary: %s", name, ", ".join(f"{k} {evals[0][k]:.3f} → {evals[-1][k]:.3f}"

@@ -64,7 +64,8 @@ RULES = {
         "lr", "grad_clip", "rms_scale", "qk_clip_tau", "cpu_s", "wall_s", "beta_fast", "beta_slow", "optimizer.eps",
         "loss.eps", "eps_high", "tau")},
     **{name: NON_NEGATIVE for name in (
-        "weight_decay", "z_loss", "balance_loss_alpha", "router_bias_rate", "lambda1", "lambda2", "temperature")},
+        "weight_decay", "z_loss", "balance_loss_alpha", "router_bias_rate", "lambda1", "lambda2", "temperature",
+        "checkpoint_minutes")},
     **{name: FRACTION for name in (
         "final_lr_ratio", "accuracy_threshold", "vision_ratio", "deep_fraction", "p_scratch", "p_check",
         "p_two_calls", "delegation_share", "capability_share")},

@@ -2,7 +2,9 @@
 
 Progress lines give step, loss, tokens/s and ETA; every logged scalar also goes to
 TensorBoard (`workdir/tensorboard`, written by process 0 only). A run whose last
-`max_consecutive_skipped` updates were all skipped as non-finite stops with `Diverged`.
+`max_consecutive_skipped` updates were all skipped as non-finite stops with `Diverged`; a
+run sent SIGTERM or SIGINT saves at the next step boundary and stops with `Preempted`
+(`k25jax.train.preemption`, which also makes a checkpoint due by wall-clock time).
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import numpy as np
 from absl import logging
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+from k25jax.train import preemption
 
 
 class MetricWriter:
@@ -112,11 +116,14 @@ def due(step: int, every: int, last: int) -> bool:
 
 def train(state, *, train_step: Callable, batch_at: Callable[[int], dict], total_steps: int,
           tokens_per_step: int, log_every: int, eval_every: int, checkpoint_every: int,
-          evaluate_fn: Callable | None, save_fn: Callable, writer: MetricWriter, guard: SkipGuard):
+          evaluate_fn: Callable | None, save_fn: Callable, writer: MetricWriter, guard: SkipGuard,
+          stopper: preemption.Stopper):
   """Runs `train_step` from `state.step` to `total_steps` on `batch_at(step)`, the batch of
   the 0-based step about to be taken. Each step's skip count is read while the next step
-  runs (`guard`, which stops a diverged run). Returns (state, history), history a list of
-  {"step", "split", **metrics} for every logged train step and evaluation."""
+  runs (`guard`, which stops a diverged run). A checkpoint is saved every `checkpoint_every`
+  steps, at the last, when `stopper`'s clock says one is due, and before raising
+  `preemption.Preempted` when a signal asked the run to stop. Returns (state, history),
+  history a list of {"step", "split", **metrics} for every logged train step and evaluation."""
   step = int(jax.device_get(state.step))
   progress = Progress(total_steps, tokens_per_step, step)
   history, skipped = [], int(jax.device_get(state.skipped))
@@ -143,11 +150,15 @@ def train(state, *, train_step: Callable, batch_at: Callable[[int], dict], total
       warn_if_not_finite(f"evaluation at step {step}", metrics)
       writer.write(step, metrics, "eval")
       history.append({"step": step, "split": "eval", **metrics})
-    if due(step, checkpoint_every, total_steps):
+    stop, save_due = stopper.poll()
+    if due(step, checkpoint_every, total_steps) or save_due or stop:
       guard.observe(*pending)
       pending = None
       save_fn(step, state)
       guard.saved(step)
+      stop = stopper.saved()
+    if stop:
+      raise stopper.stop(step)
   if pending is not None:
     guard.observe(*pending)
   return state, history

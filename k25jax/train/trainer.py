@@ -29,7 +29,8 @@ import jax
 import ml_collections
 
 from k25jax.model import expert_parallel, k25, transformer
-from k25jax.train import checkpoint, hf_init, loop, model_record, optimizer, sharding, state as state_lib, step as step_lib
+from k25jax.train import (checkpoint, hf_init, loop, model_record, optimizer, preemption, sharding, state as state_lib,
+                          step as step_lib)
 
 Model = transformer.Transformer | k25.K25
 
@@ -153,12 +154,15 @@ def check_rows(config: ml_collections.ConfigDict, tok, model: Model, mesh: jax.s
 
 class Trainer:
   """The machinery a stage does not write itself (module docstring). A context manager: it
-  sets the mesh, and closes the checkpoints and the writer on exit."""
+  sets the mesh and installs the run's signal handlers (`preemption.Stopper`: SIGTERM or
+  SIGINT saves at the next step boundary, then `preemption.Preempted`), and on exit waits
+  for the checkpoints in flight and closes them and the writer."""
 
   def __init__(self, workdir: str, model: Model, tx, *, mesh: jax.sharding.Mesh, seed: int, keep_checkpoints: int,
-               tokenizer: dict | None = None):
+               tokenizer: dict | None = None, checkpoint_minutes: float = 0.0):
     self.workdir, self.model, self.tx, self.mesh, self.seed = workdir, model, tx, mesh, seed
     self.checkpoints = checkpoint.Checkpoints(workdir, keep=keep_checkpoints)
+    self.stopper = preemption.Stopper(self.checkpoints.directory, checkpoint_minutes)
     if jax.process_index() == 0:      # what k25jax.export rebuilds from the workdir alone
       model_record.write(workdir, model.cfg, tokenizer)
     self.writer = loop.MetricWriter(workdir)
@@ -167,17 +171,19 @@ class Trainer:
   @classmethod
   def for_config(cls, config: ml_collections.ConfigDict, workdir: str, model: Model, tx,
                  mesh: jax.sharding.Mesh | None = None) -> "Trainer":
-    """A trainer on `config.mesh` (or `mesh`), seeded by `train.seed`, keeping `train.keep_checkpoints`;
-    the workdir's model record names `data.tokenizer` where the config has one."""
+    """A trainer on `config.mesh` (or `mesh`), seeded by `train.seed`, keeping `train.keep_checkpoints`,
+    saving every `train.checkpoint_minutes` too; the workdir's model record names
+    `data.tokenizer` where the config has one."""
     mesh = mesh if mesh is not None else sharding.make_mesh(config.mesh.to_dict())
     data = config.get("data") or {}
     tokenizer = ({"name": data["tokenizer"], "path": data.get("vocab_file", ""), "media": isinstance(model, k25.K25)}
                  if "tokenizer" in data else None)
     return cls(workdir, model, tx, mesh=mesh, seed=config.train.seed, keep_checkpoints=config.train.keep_checkpoints,
-               tokenizer=tokenizer)
+               tokenizer=tokenizer, checkpoint_minutes=config.train.get("checkpoint_minutes", 0.0))
 
   def __enter__(self) -> "Trainer":
     self._exit.enter_context(jax.set_mesh(self.mesh))
+    self._exit.enter_context(self.stopper)
     return self
 
   def __exit__(self, *exc) -> None:
@@ -224,7 +230,7 @@ class Trainer:
                       eval_every=schedule.eval_every if evaluate is not None else schedule.steps,
                       checkpoint_every=schedule.checkpoint_every, evaluate_fn=evaluate,
                       save_fn=lambda n, s: self.save(n, s, data_iterator), writer=self.writer,
-                      guard=self.skip_guard(schedule, state))
+                      guard=self.skip_guard(schedule, state), stopper=self.stopper)
 
   def skip_guard(self, schedule: ml_collections.ConfigDict, state) -> loop.SkipGuard:
     """Stops the run after `schedule.max_consecutive_skipped` skipped updates in a row."""
