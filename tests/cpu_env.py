@@ -13,6 +13,7 @@ step or two (the two-process comparison's workers): its five stages in one 4-dev
 took 137 CPU-s at level 0 against 185 at level 1.
 """
 import os
+import socket
 
 COMPILE_FLAGS = "--xla_backend_optimization_level=1"
 COMPILE_BOUND_FLAGS = "--xla_backend_optimization_level=0"
@@ -28,3 +29,10 @@ def xla_flags(devices: int | None = None, compile_bound: bool = False) -> str:
 def subprocess_env(devices: int | None = None, compile_bound: bool = False, **extra) -> dict:
   """This process's environment for a CPU subprocess with `devices` host devices (`xla_flags`)."""
   return dict(os.environ, XLA_FLAGS=xla_flags(devices, compile_bound), JAX_PLATFORMS="cpu", **extra)
+
+
+def free_port() -> int:
+  """A localhost port nothing listens on now: a jax.distributed coordinator's, for processes a test starts."""
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]

@@ -2,12 +2,11 @@
 import glob
 import os
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
-from cpu_env import subprocess_env
+from cpu_env import free_port, subprocess_env
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 MICRO = ["--config.model.num_hidden_layers=2", "--config.model.vocab_size=512", "--config.model.hidden_size=64",
@@ -49,25 +48,39 @@ def test_presets_round_trip_their_model_configs():
     load_pretrain_config("huge")
 
 
+def _preemptible(workdir, *flags) -> list[str]:
+  """A 100-step micro pre-training command that logs every step and saves only at its end."""
+  return [sys.executable, "-m", "k25jax.main", "--config=configs/pretrain.py", *MICRO, f"--workdir={workdir}",
+          "--config.train.steps=100", "--config.train.log_every=1", "--config.train.checkpoint_every=1000", *flags]
+
+
+def _sigterm_after_step_3(process: subprocess.Popen) -> str:
+  """Sends `process` (its stderr piped) SIGTERM once it has logged step 3; its whole stderr."""
+  seen = []
+  for line in process.stderr:
+    seen.append(line)
+    if "step 3/100" in line:
+      process.send_signal(signal.SIGTERM)
+      break
+  return "".join(seen + process.stderr.readlines())
+
+
+def _preempted_at(log: str) -> int:
+  return int(log.split("preempted at step ")[1].split(":")[0])
+
+
 @pytest.mark.slow
 def test_sigterm_saves_logs_one_line_and_exits_143_then_the_same_command_resumes(tmp_path):
   """A real SIGTERM to `python -m k25jax.main` once it has logged step 3: it saves the step in
   flight, says so in one line and exits with preemption.EXIT_PREEMPTED; the same command then
   resumes from that checkpoint and finishes."""
-  command = [sys.executable, "-m", "k25jax.main", "--config=configs/pretrain.py", *MICRO, f"--workdir={tmp_path}",
-             "--config.train.steps=100", "--config.train.log_every=1", "--config.train.checkpoint_every=1000"]
+  command = _preemptible(tmp_path)
   run = subprocess.Popen(command, cwd=ROOT, env=subprocess_env(), stderr=subprocess.PIPE, text=True)
-  seen = []
-  for line in run.stderr:
-    seen.append(line)
-    if "step 3/100" in line:
-      run.send_signal(signal.SIGTERM)
-      break
-  seen += run.stderr.readlines()
-  assert run.wait(timeout=120) == 143, "".join(seen[-30:])
-  stopped = [line for line in seen if "preempted at step" in line]
-  assert len(stopped) == 1 and "; rerun the same command to resume" in stopped[0], "".join(seen[-30:])
-  step = int(stopped[0].split("preempted at step ")[1].split(":")[0])
+  log = _sigterm_after_step_3(run)
+  assert run.wait(timeout=120) == 143, log[-3000:]
+  stopped = [line for line in log.splitlines() if "preempted at step" in line]
+  assert len(stopped) == 1 and stopped[0].endswith("; rerun the same command to resume"), log[-3000:]
+  step = _preempted_at(log)
   assert 3 <= step < 100 and os.listdir(tmp_path / "checkpoints") == [str(step)]
   again = subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
   assert again.returncode == 0, again.stderr[-3000:]
@@ -79,32 +92,19 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_both_resume(
   """Two processes (jax.distributed over localhost, 2 devices each); SIGTERM to process 1 only:
   both save the same step (process 0 learns of the signal at the next step boundary), both
   exit 143, and the same two commands resume from that step and finish."""
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    port = s.getsockname()[1]
-
-  def command(pid):
-    return [sys.executable, "-m", "k25jax.main", "--config=configs/pretrain.py", *MICRO, f"--workdir={tmp_path}",
-            "--config.train.steps=100", "--config.train.log_every=1", "--config.train.checkpoint_every=1000",
-            f"--coordinator_address=localhost:{port}", "--num_processes=2", f"--process_id={pid}"]
-
-  logs = [open(tmp_path / f"process_{pid}.log", "w+") for pid in (0, 1)]
-  first = subprocess.Popen(command(0), cwd=ROOT, env=subprocess_env(2), stderr=logs[0], text=True)
-  second = subprocess.Popen(command(1), cwd=ROOT, env=subprocess_env(2), stderr=subprocess.PIPE, text=True)
-  seen = []
-  for line in second.stderr:
-    seen.append(line)
-    if "step 3/100" in line:
-      second.send_signal(signal.SIGTERM)
-      break
-  seen += second.stderr.readlines()
-  statuses = (first.wait(timeout=120), second.wait(timeout=120))
-  logs[0].seek(0)
-  texts = (logs[0].read(), "".join(seen))
-  assert statuses == (143, 143), "\n".join(t[-2000:] for t in texts)
-  steps = {int(t.split("preempted at step ")[1].split(":")[0]) for t in texts}
-  assert len(steps) == 1 and "another process received a signal" in texts[0]
-  step = steps.pop()
+  port = free_port()
+  command = lambda pid: _preemptible(tmp_path, f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                                     f"--process_id={pid}")
+  with open(tmp_path / "process_0.log", "w+") as first_log:
+    first = subprocess.Popen(command(0), cwd=ROOT, env=subprocess_env(2), stderr=first_log, text=True)
+    second = subprocess.Popen(command(1), cwd=ROOT, env=subprocess_env(2), stderr=subprocess.PIPE, text=True)
+    second_log = _sigterm_after_step_3(second)
+    statuses = (first.wait(timeout=120), second.wait(timeout=120))
+    first_log.seek(0)
+    logs = (first_log.read(), second_log)
+  assert statuses == (143, 143), "\n".join(log[-2000:] for log in logs)
+  assert _preempted_at(logs[0]) == _preempted_at(logs[1]) and "another process received a signal" in logs[0]
+  step = _preempted_at(logs[0])
   assert os.listdir(tmp_path / "checkpoints") == [str(step)]
   again = [subprocess.Popen(command(pid), cwd=ROOT, env=subprocess_env(2), stderr=subprocess.PIPE, text=True)
            for pid in (0, 1)]

@@ -15,7 +15,8 @@ from k25jax.data import legacy_chat as chat, tokenizer
 from k25jax.model import k25, transformer
 from k25jax.train import checkpoint, config_utils, sharding, trainer as trainer_lib
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(CHECKOUT, "experiments"))
 import recipe  # noqa: E402
 import recipe_probes  # noqa: E402
 
@@ -79,8 +80,7 @@ def chain(tmp_path_factory):
   (cpu_env.COMPILE_BOUND_FLAGS; 92 CPU-s against 164 in an 8-device test process): its
   workdirs and each stage's final params by key path."""
   root = tmp_path_factory.mktemp("recipe")
-  checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  out = subprocess.run([sys.executable, __file__, str(root)], env=subprocess_env(compile_bound=True, PYTHONPATH=checkout),
+  out = subprocess.run([sys.executable, __file__, str(root)], env=subprocess_env(compile_bound=True, PYTHONPATH=CHECKOUT),
                        capture_output=True, text=True, timeout=1200)
   assert out.returncode == 0, out.stderr[-3000:]
   return ({name: str(root / name) for name in recipe.STAGES},

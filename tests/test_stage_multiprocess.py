@@ -16,13 +16,12 @@ by both processes together). Run as a script, this file is one such worker.
 """
 import os
 import re
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from cpu_env import xla_flags
+from cpu_env import free_port, xla_flags
 
 MICRO_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                   num_hidden_layers=2, num_attention_heads=2, n_routed_experts=4, num_experts_per_tok=2,
@@ -106,12 +105,6 @@ def sft_start(workdir: str) -> None:
   config.optimizer.update(lr=3e-3, warmup_steps=5, decay_steps=20)
   config.eval.update(tasks=4, max_turns=1, settings="image_no_tool")
   sft.run(config, workdir)
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
 
 
 STAGES = ("joint", "vit", "sft", "rl_vision")

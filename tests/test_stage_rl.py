@@ -1,8 +1,6 @@
 """The RL stage: rollout packing, π_old consistency, config validation, accuracy rising end to
 end, and SIGTERM at three moments of an iteration with a rerun that ends as the uninterrupted run."""
-import os
 import shutil
-import signal
 
 from config_files import load_config
 import jax
@@ -11,12 +9,13 @@ import ml_collections
 import numpy as np
 import pytest
 import shared_runs
+import sigterm
 from flax import traverse_util
 
 from k25jax.model import transformer
 from k25jax.rl import driver, policy_loss, rollout, sampler, tasks
 from k25jax.stages import rl
-from k25jax.train import checkpoint, config_utils, preemption, sharding, trainer as trainer_lib
+from k25jax.train import config_utils, preemption, sharding, trainer as trainer_lib
 
 
 def test_rows_align_targets_mask_and_old_logprobs():
@@ -176,28 +175,19 @@ def _signal_during(monkeypatch, moment: str) -> int:
   """Sends this process SIGTERM while iteration 2 samples its rollouts, during the evaluation
   at iteration 0, or twice during the save of iteration 2; returns the iteration the run must
   stop after."""
-  kill = lambda: os.kill(os.getpid(), signal.SIGTERM)
   if moment == "mid_save":
-    save = checkpoint.Checkpoints.save
-
-    def save_with_signals(self, step, *args):
-      if step == 2:
-        kill()
-        kill()
-      save(self, step, *args)
-
-    monkeypatch.setattr(checkpoint.Checkpoints, "save", save_with_signals)
+    sigterm.twice_during_save(monkeypatch, 2)
     return 2
   train = driver.train
 
   def train_with_signal(trainer, state, config, *, collect, evaluate, **kw):
     def collect_with_signal(params, iteration):
       if iteration == 1:
-        kill()
+        sigterm.send()
       return collect(params, iteration)
 
     def evaluate_with_signal(params):
-      kill()
+      sigterm.send()
       return evaluate(params)
 
     if moment == "mid_step":

@@ -17,6 +17,7 @@ from k25jax.data import tokenizer
 from k25jax.model import transformer
 from k25jax.stages import pretrain
 from k25jax.train import checkpoint, config_utils, loop, optimizer, preemption, sharding, trainer as trainer_lib
+import sigterm
 from test_train_step import micro_config
 
 STEPS, EVERY = 60, 20
@@ -173,7 +174,6 @@ def _signal_during(monkeypatch, moment: str) -> int:
   """Sends this process SIGTERM inside the 7th train step, the evaluation at step 30 or the
   save of step 20 (twice there: a second signal while it saves); returns the step the run
   must stop at (the boundary after the signal)."""
-  kill = lambda: os.kill(os.getpid(), signal.SIGTERM)
   if moment == "mid_step":
     fit, calls = trainer_lib.Trainer.fit, []
 
@@ -181,7 +181,7 @@ def _signal_during(monkeypatch, moment: str) -> int:
       def step(s, batch):
         calls.append(1)
         if len(calls) == 7:
-          kill()
+          sigterm.send()
         return train_step(s, batch)
       return fit(self, state, step, *args, **kw)
 
@@ -191,20 +191,12 @@ def _signal_during(monkeypatch, moment: str) -> int:
     evaluate = loop.evaluate
 
     def evaluate_with_signal(*args):
-      kill()
+      sigterm.send()
       return evaluate(*args)
 
     monkeypatch.setattr(loop, "evaluate", evaluate_with_signal)
     return 30
-  save = checkpoint.Checkpoints.save
-
-  def save_with_signals(self, step, *args):
-    if step == 20:
-      kill()
-      kill()
-    save(self, step, *args)
-
-  monkeypatch.setattr(checkpoint.Checkpoints, "save", save_with_signals)
+  sigterm.twice_during_save(monkeypatch, 20)
   return 20
 
 

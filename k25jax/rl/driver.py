@@ -145,13 +145,9 @@ def train(trainer, state, config: ml_collections.ConfigDict, *, collect: Callabl
       logging.info("%s iteration %d/%d  %s", name, it + 1, schedule.steps, _fmt(row, log_keys))
     if evaluate is not None and loop.due(it + 1, schedule.eval_every, schedule.steps):
       run_evaluation(it + 1, state.params)
-    stop, save_due = trainer.stopper.poll()
-    if loop.due(it + 1, schedule.checkpoint_every, schedule.steps) or save_due or stop:
-      trainer.save(it + 1, state)
+    if trainer.stopper.checkpoint(it + 1, loop.due(it + 1, schedule.checkpoint_every, schedule.steps),
+                                  lambda: trainer.save(it + 1, state)):
       guard.saved(it + 1)
-      stop = trainer.stopper.saved()
-    if stop:
-      raise trainer.stopper.stop(it + 1)
   evals = [h for h in history if h["split"] == "eval"]
   if evals and summary_keys:
     logging.info("%s summary: %s", name, ", ".join(f"{k} {evals[0][k]:.3f} → {evals[-1][k]:.3f}"

@@ -124,6 +124,11 @@ def train(state, *, train_step: Callable, batch_at: Callable[[int], dict], total
   steps, at the last, when `stopper`'s clock says one is due, and before raising
   `preemption.Preempted` when a signal asked the run to stop. Returns (state, history),
   history a list of {"step", "split", **metrics} for every logged train step and evaluation."""
+  def save(step, state, pending):
+    guard.observe(*pending)
+    save_fn(step, state)
+    guard.saved(step)
+
   step = int(jax.device_get(state.step))
   progress = Progress(total_steps, tokens_per_step, step)
   history, skipped = [], int(jax.device_get(state.skipped))
@@ -150,15 +155,8 @@ def train(state, *, train_step: Callable, batch_at: Callable[[int], dict], total
       warn_if_not_finite(f"evaluation at step {step}", metrics)
       writer.write(step, metrics, "eval")
       history.append({"step": step, "split": "eval", **metrics})
-    stop, save_due = stopper.poll()
-    if due(step, checkpoint_every, total_steps) or save_due or stop:
-      guard.observe(*pending)
+    if stopper.checkpoint(step, due(step, checkpoint_every, total_steps), lambda: save(step, state, pending)):
       pending = None
-      save_fn(step, state)
-      guard.saved(step)
-      stop = stopper.saved()
-    if stop:
-      raise stopper.stop(step)
   if pending is not None:
     guard.observe(*pending)
   return state, history

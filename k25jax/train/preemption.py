@@ -86,12 +86,16 @@ class Stopper:
       flags = np.array([gathered[:, 0].max(), gathered[0, 1]])
     return bool(flags[0]), bool(flags[1])
 
-  def saved(self) -> bool:
-    """A checkpoint was saved: the time-based interval starts again. Returns whether the run
-    stops here (a signal before or during the save, on any process: this save is its checkpoint)."""
+  def checkpoint(self, step: int, due: bool, save: Callable[[], None]) -> bool:
+    """The boundary after step `step` (every process calls it at every step): calls `save()`
+    when `due` (the run's own cadence), when the clock says a checkpoint is due or when a
+    signal asked the run to stop, and then raises `Preempted` if one did, before or during
+    that save, on any process (the save just made is its checkpoint). Returns whether it saved."""
+    stop, clock_due = self.poll()
+    if not (due or clock_due or stop):
+      return False
+    save()
     self.last_save = self.clock()
-    return self.poll()[0]
-
-  def stop(self, step: int) -> Preempted:
-    """The exception that ends the run after its checkpoint at `step` was saved."""
-    return Preempted(step, self.directory)
+    if self.poll()[0]:
+      raise Preempted(step, self.directory)
+    return True
