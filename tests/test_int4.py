@@ -1,7 +1,9 @@
 """INT4 pack-quantized experts: bit layout against compressed-tensors, error bound, checkpoint load."""
 import json
 
+import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,7 @@ import torch
 from hf_fixtures import hf_logits, random_hf_model, tiny_hf_config
 from k25jax.convert import hf, int4, safetensors_io
 from k25jax.model import transformer
+from k25jax.model.config import ModelConfig
 
 ct = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
 
@@ -79,3 +82,42 @@ def test_quantized_checkpoint_loads_dequantized(tmp_path):
   cfg, params = hf.load(str(tmp_path))
   ours, _ = transformer.Transformer(cfg).apply({"params": params}, jnp.asarray(tokens, jnp.int32))
   np.testing.assert_allclose(np.asarray(ours), hf_logits(model, tokens), atol=1e-4, rtol=0)
+
+
+def test_export_writes_the_routed_experts_as_released_and_loads_them_back(tmp_path):
+  """hf.save(int4_group=32): every routed expert as weight_packed / bfloat16 weight_scale /
+  weight_shape that compressed-tensors unpacks to our q, within half a step of the weight
+  (the bfloat16 scale's rounding aside); the rest untouched; hf.load gives the dequantized experts."""
+  cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                    num_hidden_layers=2, num_attention_heads=2, n_routed_experts=4, num_experts_per_tok=2,
+                    q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                    max_position_embeddings=64)
+  params = jax.device_get(transformer.init_params(cfg, jax.random.PRNGKey(0)))
+  hf.save(cfg, params, str(tmp_path), int4_group=32)
+  file = safetensors_io.SafetensorsFile(str(tmp_path / "model.safetensors"))
+  stored = {name: file.get(name) for name in file.keys()}
+  dense = dict(hf.to_hf_tensors(cfg, params))
+  experts = [n for n in dense if ".mlp.experts." in n]
+  assert len(experts) == 3 * cfg.n_routed_experts * (cfg.num_hidden_layers - cfg.first_k_dense_replace)
+  for name, w in dense.items():
+    if name not in experts:
+      np.testing.assert_array_equal(stored[name], w)
+      continue
+    stem = name[:-len("weight")]
+    assert name not in stored and stored[stem + "weight_scale"].dtype == ml_dtypes.bfloat16
+    packed, scale = stored[stem + "weight_packed"], stored[stem + "weight_scale"].astype(np.float32)
+    np.testing.assert_array_equal(stored[stem + "weight_shape"], w.shape)
+    q = ct.unpack_from_int32(torch.from_numpy(packed.copy()), 4, torch.Size(w.shape)).numpy()
+    deq = q * np.repeat(scale, 32, axis=1)
+    assert np.all(np.abs(deq - w) <= 0.55 * np.repeat(scale, 32, axis=1) + 1e-7)
+    np.testing.assert_array_equal(int4.dequantize(packed, scale, w.shape), deq)
+  config = json.loads((tmp_path / "config.json").read_text())
+  assert config["quantization_config"]["format"] == "pack-quantized"
+  assert config["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] == 32
+  loaded_cfg, loaded = hf.load(str(tmp_path))
+  back = dict(hf.to_hf_tensors(loaded_cfg, jax.device_get(loaded)))
+  for name in experts:
+    stem = name[:-len("weight")]
+    np.testing.assert_array_equal(back[name], int4.dequantize(stored[stem + "weight_packed"],
+                                                               stored[stem + "weight_scale"], dense[name].shape))
+  np.testing.assert_array_equal(back["lm_head.weight"], dense["lm_head.weight"])

@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from k25jax.model import config, k25, media, vision

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 
 import flax.linen as nn
 import jax
+import ml_dtypes
 import numpy as np
 from absl import logging
 from flax import traverse_util
@@ -43,6 +44,7 @@ from k25jax.model.layers import dtype_of
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_ROUTED_EXPERT_WEIGHT = re.compile(r"\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 _QUANT_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
 _SKIPPED = re.compile(r"(rotary_emb\.inv_freq$|^vision_tower\.|^mm_projector\.|^model\.vision_tower\.|"
                       r"^model\.mm_projector\.|^multi_modal_projector\.)")
@@ -449,19 +451,41 @@ def to_hf_tensors(cfg: ModelConfig, params) -> Iterator[tuple[str, np.ndarray]]:
     yield names[0], np.ascontiguousarray(value)
 
 
-def save(cfg: ModelConfig, params, path: str, max_shard_bytes: int = 2 << 30) -> None:
+def save(cfg: ModelConfig, params, path: str, max_shard_bytes: int = 2 << 30, int4_group: int | None = None) -> None:
   """Writes config.json + safetensors shards (+ index when sharded) that transformers loads.
 
   A `K25Config` writes the multimodal checkpoint (transformers' Kimi_K25Config, the
   released tensor layout): the text model under `language_model.`, then the vision
-  tower and projector (`hf_vision.to_hf_tensors`).
+  tower and projector (`hf_vision.to_hf_tensors`). `int4_group`: the routed experts
+  pack-quantized in groups of that many input columns, bfloat16 scales, as released
+  (`int4.quantization_config`); everything else as given.
   """
   if not isinstance(cfg, ModelConfig):
     text = ((f"{hf_vision.TEXT}.{name}", value)
             for name, value in to_hf_tensors(cfg.text, params[hf_vision.TEXT]))
-    tensors = itertools.chain(text, hf_vision.to_hf_tensors(params))
-    return write_checkpoint(path, cfg.to_hf_dict(), tensors, max_shard_bytes)
-  write_checkpoint(path, cfg.to_hf_dict(), to_hf_tensors(cfg, params), max_shard_bytes)
+    tensors, hf_config = itertools.chain(text, hf_vision.to_hf_tensors(params)), cfg.to_hf_dict()
+  else:
+    tensors, hf_config = to_hf_tensors(cfg, params), cfg.to_hf_dict()
+  if int4_group:
+    tensors = _int4_experts(tensors, int4_group)
+    hf_config["quantization_config"] = int4.quantization_config(int4_group)
+  write_checkpoint(path, hf_config, tensors, max_shard_bytes)
+
+
+def _int4_experts(tensors: Iterator[tuple[str, np.ndarray]], group: int) -> Iterator[tuple[str, np.ndarray]]:
+  """The stream with every routed expert's `.weight` as `weight_packed`, `weight_scale`
+  (bfloat16) and `weight_shape` (`int4.quantize`)."""
+  for name, value in tensors:
+    if not _ROUTED_EXPERT_WEIGHT.search(name):
+      yield name, value
+      continue
+    if value.shape[1] % group:
+      raise ValueError(f"{name}: {value.shape[1]} input columns are not a multiple of the INT4 group {group}")
+    packed, scale = int4.quantize(value, group, scale_dtype=ml_dtypes.bfloat16)
+    stem = name[:-len("weight")]
+    yield stem + "weight_packed", packed
+    yield stem + "weight_scale", scale
+    yield stem + "weight_shape", np.asarray(value.shape, np.int64)
 
 
 def write_checkpoint(path: str, hf_config: dict, tensors: Iterator[tuple[str, np.ndarray]],

@@ -4,7 +4,9 @@
   `ByteTokenizer` does: byte b is id b + 3 (a byte-level BPE without merges, over GPT-2's
   byte-to-character table), `[PAD]` 0, `[BOS]` 1, `[EOS]` 2, then the media and chat tokens
   at their ids; with `tokenizer_config.json` for `PreTrainedTokenizerFast`, and K2.5's chat
-  template when the vocabulary has the chat tokens.
+  template when the vocabulary has the chat tokens; a legacy-format run's (`"chat": "legacy"`)
+  with its role tokens too, and no chat template (transformers gets the ids right; the
+  prompt layout is `k25jax.data.chat_formats.LegacyFormat`'s).
 * `tiktoken`, `tokenizers`, `auto`: the run's own files, copied (tiktoken.model or
   tokenizer.json, with tokenizer_config.json where it sits beside them).
 """
@@ -14,7 +16,7 @@ import json
 import os
 import shutil
 
-from k25jax.data import chat, tokenizer as tokenizer_lib, tokenizer_files
+from k25jax.data import chat, chat_formats, tokenizer as tokenizer_lib, tokenizer_files
 
 PAD_TOKEN = "[PAD]"
 
@@ -33,12 +35,14 @@ def byte_characters() -> dict[int, str]:
   return out
 
 
-def byte_tokenizer_json(tok: tokenizer_lib.ByteTokenizer):
-  """A `tokenizers.Tokenizer` with `tok`'s ids."""
+def byte_tokenizer_json(tok):
+  """A `tokenizers.Tokenizer` with the ids of `tok`: a `ByteTokenizer`, or the legacy chat
+  tokenizer over one."""
   import tokenizers  # pylint: disable=import-outside-toplevel
   from tokenizers import decoders, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
-  specials = {PAD_TOKEN: tokenizer_lib.PAD_ID, **tok.special}
-  vocab = {**specials, **{c: b + tok.offset for b, c in byte_characters().items()}}
+  base = getattr(tok, "base", tok)
+  specials = {PAD_TOKEN: tokenizer_lib.PAD_ID, **base.special, **tok.special}
+  vocab = {**specials, **{c: b + base.offset for b, c in byte_characters().items()}}
   hf = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
   hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
   hf.decoder = decoders.ByteLevel()
@@ -51,7 +55,7 @@ def write(record: dict | None, out: str) -> list[str]:
   """Writes generation_config.json (greedy; the tokenizer's BOS/EOS where there is one) and the
   tokenizer of a run's model record (`{"name", "path", "media"}`, or None) into `out`;
   returns the files written."""
-  tok = tokenizer_lib.load(record["name"], record.get("path", ""), media=bool(record.get("media"))) if record else None
+  tok = chat_formats.tokenizer_from_record(record) if record else None
   generation = {"do_sample": False} if tok is None else {"do_sample": False, "bos_token_id": tok.bos_id,
                                                          "eos_token_id": tok.eos_id}
   with open(os.path.join(out, "generation_config.json"), "w") as f:

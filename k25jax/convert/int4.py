@@ -74,13 +74,30 @@ def dequantize(packed: np.ndarray, scale: np.ndarray, shape, zero_point: np.ndar
   return q * np.repeat(scale.astype(np.float32), group, axis=-1)[:, :in_dim]
 
 
-def quantize(w: np.ndarray, group: int = 32) -> tuple[np.ndarray, np.ndarray]:
-  """Symmetric per-group INT4: returns (packed int32 [out, in/8], scale float32 [out, in/group])."""
+def quantize(w: np.ndarray, group: int = 32, scale_dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+  """Symmetric per-group INT4: returns (packed int32 [out, in/8], scale [out, in/group] in
+  `scale_dtype`). The scale is rounded to `scale_dtype` before q = clip(round(W/s), −8, 7) is
+  taken, so that (q, the stored s) is the quantization (a bfloat16 scale, as released)."""
   out_dim, in_dim = w.shape
   if in_dim % group:
     raise ValueError(f"input dim {in_dim} is not a multiple of the group size {group}")
   g = w.astype(np.float32).reshape(out_dim, in_dim // group, group)
-  scale = np.abs(g).max(-1) / 7.5
-  safe = np.where(scale == 0, 1.0, scale)
+  scale = (np.abs(g).max(-1) / 7.5).astype(scale_dtype)
+  wide = scale.astype(np.float32)
+  safe = np.where(wide == 0, 1.0, wide)
   q = np.clip(np.round(g / safe[..., None]), -8, 7).reshape(out_dim, in_dim)
-  return pack(q), scale.astype(np.float32)
+  return pack(q), scale
+
+
+def quantization_config(group: int = 32) -> dict:
+  """config.json's `quantization_config` of a checkpoint whose routed experts alone are
+  pack-quantized (the released K2.5 layout: symmetric int4 groups of `group` input columns;
+  attention, shared experts, dense MLPs, the LM head and the vision side stay dense)."""
+  weights = {"num_bits": BITS, "type": "int", "symmetric": True, "strategy": "group", "group_size": group,
+             "dynamic": False, "actorder": None, "block_structure": None, "observer": "minmax", "observer_kwargs": {}}
+  return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                        "output_activations": None}},
+          "ignore": ["lm_head", r"re:.*self_attn.*", r"re:.*shared_experts.*", r"re:.*mlp\.(gate|up|down)_proj.*",
+                     r"re:.*vision_tower.*", r"re:.*mm_projector.*"],
+          "kv_cache_scheme": None}

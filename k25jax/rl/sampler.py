@@ -5,6 +5,9 @@
     out["logprobs"] [b, max_new_tokens]  log π(token) under the sampling distribution (0 after stop)
     out["lengths"]  [b]                  generated tokens per row, the stop token included
 
+    for token, logprob in sampler.stream(model_cfg, params, prompt, rng, SamplingConfig(...)):
+        ...                                one prompt, a token at a time (to show it as it comes)
+
 Prompts are right-padded [b, P] with their true lengths; each row decodes at its own
 positions (row b's first new token sits at position prompt_lengths[b]), so rows of
 different lengths share one batch without left-padding. Only the latent and the rope
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -100,33 +104,51 @@ def decode_step(model: transformer.Transformer, params, tokens: jax.Array, posit
   return logits[:, 0], aux["cache"]
 
 
+def prefill(model: transformer.Transformer, params, prompts: jax.Array, prompt_lengths: jax.Array, cache_len: int,
+            media=None) -> tuple[jax.Array, list[dict]]:
+  """Runs right-padded prompts [b, P] through the model into a fresh cache of `cache_len`
+  positions: (the logits after each row's last prompt token [b, vocab], the cache)."""
+  batch, prompt_len = prompts.shape
+  cache = attention.init_cache(model.cfg, batch, cache_len, jnp.dtype(model.cfg.dtype))
+  positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
+  logits, aux = model.apply({"params": params}, prompts, positions, cache=cache, media=media)
+  return jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0], aux["cache"]
+
+
+def advance(model: transformer.Transformer, params, last: jax.Array, cache: list[dict], positions: jax.Array,
+            rng: jax.Array, sampling: SamplingConfig, done: jax.Array | None = None):
+  """One token a row: splits `rng`, samples from `last` [b, vocab] (`pad_id` where `done`) and
+  runs the token at `positions` [b] through the model. Returns (token [b], log-prob [b], the
+  next logits, the cache, the carried key): the step of `generate` and of `stream` alike."""
+  rng, key = jax.random.split(rng)
+  token, logp = sample_token(last, key, sampling)
+  if done is not None:
+    token = jnp.where(done, sampling.pad_id, token)
+  last, cache = decode_step(model, params, token[:, None], positions[:, None], cache)
+  return token, logp, last, cache, rng
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling"))
 def _generate(params, prompts, prompt_lengths, rng, media=None, *, cfg: ModelConfig, sampling: SamplingConfig):
   model = transformer.Transformer(cfg)
   batch, prompt_len = prompts.shape
   n_new = sampling.max_new_tokens
-  cache = attention.init_cache(cfg, batch, prompt_len + n_new, jnp.dtype(cfg.dtype))
-  positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-  logits, aux = model.apply({"params": params}, prompts, positions, cache=cache, media=media)
-  last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+  last, cache = prefill(model, params, prompts, prompt_lengths, prompt_len + n_new, media)
   stop = jnp.asarray(sampling.stop_tokens or (-1,), jnp.int32)
 
   def body(carry):
     step, cache, last, tokens, logps, done, rng = carry
-    rng, key = jax.random.split(rng)
-    token, logp = sample_token(last, key, sampling)
-    token = jnp.where(done, sampling.pad_id, token)
+    token, logp, last, cache, rng = advance(model, params, last, cache, prompt_lengths + step, rng, sampling, done)
     tokens = tokens.at[:, step].set(token)
     logps = logps.at[:, step].set(jnp.where(done, 0.0, logp))
     done = done | jnp.isin(token, stop)
-    last, cache = decode_step(model, params, token[:, None], (prompt_lengths + step)[:, None], cache)
     return step + 1, cache, last, tokens, logps, done, rng
 
   def cond(carry):
     step, *_, done, _ = carry
     return (step < n_new) & ~jnp.all(done)
 
-  init = (jnp.int32(0), aux["cache"], last, jnp.full((batch, n_new), sampling.pad_id, jnp.int32),
+  init = (jnp.int32(0), cache, last, jnp.full((batch, n_new), sampling.pad_id, jnp.int32),
           jnp.zeros((batch, n_new), jnp.float32), jnp.zeros((batch,), bool), rng)
   _, _, _, tokens, logps, _, _ = jax.lax.while_loop(cond, body, init)
   written = jnp.arange(n_new)[None, :]
@@ -158,6 +180,35 @@ def generate(cfg: ModelConfig, params, prompts, prompt_lengths, rng: jax.Array,
     features, mask = media
     media = features, on_params_mesh(params, np.asarray(mask))
   return _generate(params, prompts, prompt_lengths, rng, media, cfg=cfg, sampling=sampling)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "cache_len"))
+def _prefill(params, prompts, prompt_lengths, media=None, *, cfg: ModelConfig, cache_len: int):
+  return prefill(transformer.Transformer(cfg), params, prompts, prompt_lengths, cache_len, media)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("cache",))
+def _advance(params, last, cache, positions, rng, *, cfg: ModelConfig, sampling: SamplingConfig):
+  return advance(transformer.Transformer(cfg), params, last, cache, positions, rng, sampling)
+
+
+def stream(cfg: ModelConfig, params, prompt: Sequence[int], rng: jax.Array, sampling: SamplingConfig,
+           media=None) -> Iterator[tuple[int, float]]:
+  """Samples after one prompt a token at a time, for a caller that shows each as it comes:
+  yields (token, log-prob) through the first stop token, at most `max_new_tokens`. The
+  steps are `generate`'s (`prefill`, then `advance` with the key split the same way), run
+  from Python; `media` as in `generate`, for this one row. One process."""
+  check_lengths(cfg, len(prompt), sampling)
+  prompts = np.asarray([prompt], np.int32)
+  last, cache = _prefill(params, prompts, np.asarray([len(prompt)], np.int32), media, cfg=cfg,
+                         cache_len=len(prompt) + sampling.max_new_tokens)
+  for step in range(sampling.max_new_tokens):
+    token, logp, last, cache, rng = _advance(params, last, cache, np.asarray([len(prompt) + step], np.int32), rng,
+                                             cfg=cfg, sampling=sampling)
+    token = int(token[0])
+    yield token, float(logp[0])
+    if token in sampling.stop_tokens:
+      return
 
 
 def replicated_like(params, host_values):

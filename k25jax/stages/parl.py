@@ -41,6 +41,7 @@ from absl import logging
 
 from k25jax import losses
 from k25jax.agents import dsl, swarm, widesearch
+from k25jax.data import chat_formats
 from k25jax.model import transformer
 from k25jax.rl import driver, rollout, sampler
 from k25jax.train import config_utils, sharding, trainer as trainer_lib, warm_start as warm_start_lib
@@ -133,7 +134,7 @@ def collector(config, model_cfg, sub_params):
   """collect(params, i): iteration i's P tasks × K episodes of the swarm, as the orchestrator's
   loss rows (its turns carry the loss; its prompt and observations, sub-agent outputs
   included, carry none) with their PARL rewards."""
-  rl, p, seed = config.rl, config.parl, config.train.seed
+  rl, seed = config.rl, config.train.seed
 
   def collect(params, it: int) -> driver.Rollouts:
     tasks = sample_tasks(config, rl.prompts_per_iteration, seed * 100_003 + it)
@@ -227,7 +228,9 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   model = transformer.Transformer(config_utils.model_config_from(config.model))
   mesh = sharding.make_mesh(config.mesh.to_dict())
   eval_tasks = sample_tasks(config, p.eval_tasks, p.eval_seed)
-  with trainer_lib.Trainer.for_config(config, workdir, model, driver.make_optimizer(config), mesh) as trainer:
+  tokenizer = chat_formats.record_of(rendering(config).tok) if p.rendering == "chat" else None
+  with trainer_lib.Trainer.for_config(config, workdir, model, driver.make_optimizer(config), mesh,
+                                     tokenizer=tokenizer) as trainer:
     warm = trainer.params_from(config.init)
     if warm is None or config.warm_start.after_init:
       warm = builtin_warm_start(config, model, mesh, workdir, init_params=warm)

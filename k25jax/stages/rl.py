@@ -26,6 +26,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from k25jax.data import chat_formats
 from k25jax.model import transformer
 from k25jax.rl import decode, driver, rollout, sampler, tasks, toggle
 from k25jax.train import config_utils, sharding, trainer as trainer_lib, warm_start as warm_start_lib
@@ -182,7 +183,8 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   task = TASKS[config.task.name](config.task)
   sampling = sampling_config(config, task)
   mesh = sharding.make_mesh(config.mesh.to_dict())
-  with trainer_lib.Trainer.for_config(config, workdir, model, driver.make_optimizer(config), mesh) as trainer:
+  with trainer_lib.Trainer.for_config(config, workdir, model, driver.make_optimizer(config), mesh,
+                                     tokenizer=chat_formats.record_of(task.tokenizer)) as trainer:
     state = trainer.start(config.init, default_params=lambda: builtin_warm_start(config, model, task, mesh, workdir))
     budgets = (toggle.fixed_budgets(workdir, lambda: toggle_budgets(config, model.cfg, state.params, task, sampling))
                if config.toggle.enabled else np.zeros(len(task.train["tokens"]), np.float32))

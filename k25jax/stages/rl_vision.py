@@ -34,7 +34,7 @@ import ml_collections
 import numpy as np
 
 from k25jax.agents import tool_rollout
-from k25jax.data import legacy_chat as chat, image_tasks
+from k25jax.data import chat_formats, legacy_chat as chat, image_tasks
 from k25jax.data import vision as vision_data
 from k25jax.model import k25
 from k25jax.model.config import K25Config
@@ -197,7 +197,8 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   per_row = max(train_split.patches_per_row, eval_split.patches_per_row)
   by_ability = [f"{ability}/accuracy" for ability in dict.fromkeys(tasks.ABILITIES[t.kind] for t in eval_split.tasks)]
   with tool_rollout.sandbox_pool(config.sandbox) as pool, \
-      trainer_lib.Trainer.for_config(config, workdir, model, driver.make_optimizer(config), mesh) as trainer:
+      trainer_lib.Trainer.for_config(config, workdir, model, driver.make_optimizer(config), mesh,
+                                     tokenizer=chat_formats.record_of(tok)) as trainer:
     state = trainer.start(config.init)
     budgets = (toggle.fixed_budgets(workdir, lambda: toggle_budgets(config, model.cfg, state.params, tok, pool,
                                                                     train_split, per_row))

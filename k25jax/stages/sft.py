@@ -30,7 +30,7 @@ import numpy as np
 from absl import logging
 
 from k25jax.agents import tool_rollout
-from k25jax.data import legacy_chat as chat, image_tasks, packing, sources, visual_synthetic, zero_vision
+from k25jax.data import chat_formats, legacy_chat as chat, image_tasks, packing, sources, visual_synthetic, zero_vision
 from k25jax.data import vision as vision_data
 from k25jax.model import k25
 from k25jax.model.config import K25Config
@@ -293,7 +293,8 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   check_built(config, model.cfg, tok, mesh)
   tx = optimizer.make_optimizer(config.optimizer, config.train.steps)
   with tool_rollout.sandbox_pool(config.sandbox) as pool, \
-      trainer_lib.Trainer.for_config(config, workdir, model, tx, mesh) as trainer:
+      trainer_lib.Trainer.for_config(config, workdir, model, tx, mesh,
+                                     tokenizer=chat_formats.record_of(tok)) as trainer:
     text = trajectories(config, tok, pool, workdir)
     arithmetic = None
     if config.data.arithmetic_examples:

@@ -217,39 +217,40 @@ def params_target(boxed_params, mesh: jax.sharding.Mesh):
   return abstract_target(nn.meta.unbox(boxed_params), sharding.logical_to_sharding(boxed_params, mesh))
 
 
-def _reader(directory: str) -> tuple[ocp.CheckpointManager, int]:
-  """A reader of `directory` (a run's `checkpoints`) and its newest step, as Orbax lists them;
-  FileNotFoundError when it holds none."""
+def _reader(directory: str, step: int | None = None) -> tuple[ocp.CheckpointManager, int]:
+  """A reader of `directory` (a run's `checkpoints`) and its newest step (or `step`, which it
+  must hold), as Orbax lists them; FileNotFoundError when it holds none (or not `step`)."""
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"no checkpoint in {directory}: expected the workdir of a run")
   reader = ocp.CheckpointManager(directory, item_names=("state", "digests"))
   steps = sorted(reader.all_steps())
-  if not steps:
+  if not steps or (step is not None and step not in steps):
     reader.close()
-    raise FileNotFoundError(f"no checkpoint in {directory}: expected the workdir of a run")
-  return reader, steps[-1]
+    raise FileNotFoundError(f"no checkpoint in {directory}: expected the workdir of a run" if not steps else
+                            f"{directory} has no checkpoint of step {step}; it has {steps}")
+  return reader, steps[-1] if step is None else step
 
 
-def saved_params_keys(workdir: str) -> tuple[str, ...]:
-  """The top-level keys of the params in the newest checkpoint under `workdir/checkpoints`
-  (read from its metadata, no array is loaded): e.g. ('language_model', 'projector',
-  'vision_tower') for a K2.5 run, the decoder's own keys for a text run."""
+def saved_params_keys(workdir: str, step: int | None = None) -> tuple[str, ...]:
+  """The top-level keys of the params in the newest checkpoint (or `step`'s) under
+  `workdir/checkpoints` (read from its metadata, no array is loaded): e.g. ('language_model',
+  'projector', 'vision_tower') for a K2.5 run, the decoder's own keys for a text run."""
   directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-  reader, step = _reader(directory)
+  reader, step = _reader(directory, step)
   reader.close()
   with _quiet_orbax():
     tree = ocp.PyTreeCheckpointer().metadata(os.path.join(directory, str(step), "state"))
   return tuple(tree.item_metadata["params"].keys())
 
 
-def restore_params(workdir: str, target, under: str | None = None):
-  """Only the params of the newest checkpoint under `workdir/checkpoints` (any stage's, whatever
+def restore_params(workdir: str, target, under: str | None = None, step: int | None = None):
+  """Only the params of the newest checkpoint (or `step`'s) under `workdir/checkpoints` (any stage's, whatever
   its optimizer), shaped and sharded like `target` (`params_target`), checked against their
   digests; with `under`, the saved `params[under]` (e.g. the language model of a K2.5 run for
   a text-only model). Raises FileNotFoundError when it holds no checkpoint, CorruptCheckpoint
   when the params differ from what was saved."""
   directory = os.path.join(os.path.abspath(workdir), "checkpoints")
-  reader, step = _reader(directory)
+  reader, step = _reader(directory, step)
   wrapped = target if under is None else {under: target}
   restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), wrapped)
   items = {"state": ocp.args.PyTreeRestore(item={"params": wrapped}, restore_args={"params": restore_args},

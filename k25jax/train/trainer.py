@@ -54,19 +54,21 @@ def init_params(model: Model, rng: jax.Array):
   return k25.init_params(model.cfg, rng) if isinstance(model, k25.K25) else transformer.init_params(model.cfg, rng)
 
 
-def restore_params(model: Model, workdir: str, mesh: jax.sharding.Mesh, part: str | None = None):
-  """The latest params of the run in `workdir`, sharded over `mesh`: the whole model's, or
-  those of `params[part]` (e.g. `k25.LANGUAGE_MODEL`). A decoder (a text-only model, or
-  part = LANGUAGE_MODEL) restores from a text run or from the language model of a K2.5 run's."""
+def restore_params(model: Model, workdir: str, mesh: jax.sharding.Mesh, part: str | None = None,
+                   step: int | None = None):
+  """The latest params (or checkpoint `step`'s) of the run in `workdir`, sharded over `mesh`:
+  the whole model's, or those of `params[part]` (e.g. `k25.LANGUAGE_MODEL`). A decoder (a
+  text-only model, or part = LANGUAGE_MODEL) restores from a text run or from the language
+  model of a K2.5 run's."""
   boxed = abstract_params(model)
   target = checkpoint.params_target(boxed if part is None else boxed[part], mesh)
-  saved = checkpoint.saved_params_keys(workdir)
+  saved = checkpoint.saved_params_keys(workdir, step)
   decoder = not isinstance(model, k25.K25) or part == k25.LANGUAGE_MODEL
   under = k25.LANGUAGE_MODEL if decoder and k25.LANGUAGE_MODEL in saved else None
   if isinstance(model, k25.K25) and part is None and k25.LANGUAGE_MODEL not in saved:
     raise ValueError(f"{workdir} holds a text-only run (params {', '.join(saved)}): start the K2.5 model's "
                      "language model from it with init.text_checkpoint, not init.checkpoint")
-  return checkpoint.restore_params(workdir, target, under=under)
+  return checkpoint.restore_params(workdir, target, under=under, step=step)
 
 
 def params_from(model: Model, init: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, seed: int):
@@ -170,14 +172,15 @@ class Trainer:
 
   @classmethod
   def for_config(cls, config: ml_collections.ConfigDict, workdir: str, model: Model, tx,
-                 mesh: jax.sharding.Mesh | None = None) -> "Trainer":
+                 mesh: jax.sharding.Mesh | None = None, tokenizer: dict | None = None) -> "Trainer":
     """A trainer on `config.mesh` (or `mesh`), seeded by `train.seed`, keeping `train.keep_checkpoints`,
-    saving every `train.checkpoint_minutes` too; the workdir's model record names
-    `data.tokenizer` where the config has one."""
+    saving every `train.checkpoint_minutes` too; the workdir's model record names the
+    tokenizer: `data.tokenizer` where the config has one, else `tokenizer` (a stage's own
+    record, e.g. `chat_formats.LEGACY_RECORD`)."""
     mesh = mesh if mesh is not None else sharding.make_mesh(config.mesh.to_dict())
     data = config.get("data") or {}
-    tokenizer = ({"name": data["tokenizer"], "path": data.get("vocab_file", ""), "media": isinstance(model, k25.K25)}
-                 if "tokenizer" in data else None)
+    if "tokenizer" in data:
+      tokenizer = {"name": data["tokenizer"], "path": data.get("vocab_file", ""), "media": isinstance(model, k25.K25)}
     return cls(workdir, model, tx, mesh=mesh, seed=config.train.seed, keep_checkpoints=config.train.keep_checkpoints,
                tokenizer=tokenizer, checkpoint_minutes=config.train.get("checkpoint_minutes", 0.0))
 
