@@ -5,8 +5,10 @@ of the K2.5 model.
 Presets: `tiny` (default; CPU, a few minutes, byte tokenizer on the Python standard
 library), `small` (~0.9B total params, one GPU or a TPU slice, FSDP), `joint` (the
 tiny K2.5 on text mixed with synthetic images and videos, 10% of the tokens vision from
-step 0: `configs/pretrain.py:joint`) and `k25` (the released 1T text backbone on a TPU
-pod: scanned MoE layers, expert parallelism, MuonClip, 1024 × 4096 tokens a step;
+step 0: `configs/pretrain.py:joint`), `moonlight` (Moonlight-16B-A3B, the size a researcher
+trains on one host: start it from the released folder with `--config.init.hf_checkpoint=DIR
+--config.data.vocab_file=DIR`; scanned layers, full remat, FSDP over the host's chips, 16 ×
+4096 tokens a step) and `k25` (the released 1T text backbone on a TPU pod: scanned MoE layers, expert parallelism, MuonClip, 1024 × 4096 tokens a step;
 `experiments/aot_compile.py` compiles its step for a pod from a CPU). Switch `joint` of k25
 (`configs/pretrain.py:k25,joint`): the released K2.5 (MoonViT-3D + the 1T decoder) on the
 same pod and batch, 10% of the tokens vision, media sharded with their rows (each of the
@@ -17,7 +19,7 @@ import ml_collections
 
 from configs import common
 
-PRESETS = ("tiny", "small", "joint", "k25")
+PRESETS = ("tiny", "small", "joint", "moonlight", "k25")
 SWITCHES = ("joint",)
 K25_SHARD_PATCHES = 4096     # k25,joint: the patch budget of each data shard
 
@@ -28,13 +30,14 @@ def get_config(arg=None):
     raise ValueError("configs/pretrain.py: the joint switch is for the k25 preset (the tiny one is the joint preset)")
   tiny = preset in ("tiny", "joint")
   k25 = preset == "k25"
+  moonlight = preset == "moonlight"
   k25_joint = k25 and "joint" in switches
   joint = preset == "joint" or k25_joint
   c = ml_collections.ConfigDict()
   c.stage = "pretrain"
 
   # k25 on a pod: one compiled MoE layer body, layers recomputed in the backward, grouped matmuls.
-  pod = dict(scan_layers=True, remat_policy="full", moe_impl="ragged_dot") if k25 else {}
+  pod = dict(scan_layers=True, remat_policy="full", moe_impl="ragged_dot") if k25 or moonlight else {}
   if k25_joint:
     c.model = common.k25_model_section("k25", **pod)
     c.model.vision.attention_impl = "pallas"
@@ -85,6 +88,10 @@ def get_config(arg=None):
     c.optimizer.lr = 2e-4
     c.mesh.update(fsdp=-1, expert=64)
     c.train.update(batch=1024, seq_len=4096)
+  if moonlight:   # continued training of the released model on one host (e.g. a TPU v5p 2x2x1)
+    c.data.tokenizer = "auto"
+    c.optimizer.update(name="muonclip", lr=2e-5, warmup_steps=100, decay_steps=1000)
+    c.train.update(steps=2000, batch=16, seq_len=4096)
   if k25_joint:   # 512 data shards (fsdp=8 x expert=64) of 2 rows, each with its own media
     c.data.update(max_patches=K25_SHARD_PATCHES * 512, shard_media=True)
   common.follow_the_run(c)

@@ -8,7 +8,7 @@ from config_files import load_config
 from k25jax import main
 
 CONFIG_FILES = [
-    ("configs/pretrain.py", preset) for preset in ("tiny", "small", "joint", "k25", "k25,joint")] + [
+    ("configs/pretrain.py", preset) for preset in ("tiny", "small", "joint", "moonlight", "k25", "k25,joint")] + [
     ("configs/vit.py", "tiny"), ("configs/midtrain.py", "tiny"), ("configs/midtrain.py", "k25"),
     ("configs/midtrain.py", "k25,262k"), ("configs/sft.py", "tiny"), ("configs/sft.py", "tiny,visual,arithmetic"),
     ("configs/rl.py", "tiny"), ("configs/rl.py", "tiny,compact"), ("configs/rl.py", "k25"),

@@ -4,6 +4,7 @@ checkpoint's tokenizer speaks (the legacy chat format of the chat stages, the K2
 with an image, plain text for a pre-training run); the command line gives the same."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -17,11 +18,11 @@ from configs import common
 from cpu_env import subprocess_env
 from k25jax import generate
 from k25jax.agents import tool_rollout
-from k25jax.data import chat_formats, legacy_chat
+from k25jax.data import chat_formats, legacy_chat, tokenizer
 from k25jax.model import k25, media as media_lib, transformer
 from k25jax.model.config import ModelConfig
-from k25jax.rl import sampler
-from k25jax.train import config_utils, hf_export, saved_model, sharding, trainer as trainer_lib
+from k25jax.rl import decode, sampler
+from k25jax.train import config_utils, hf_export, model_record, saved_model, sharding, trainer as trainer_lib
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -48,12 +49,15 @@ def legacy_run(tmp_path_factory):
   return str(root / "run"), str(root / "hf")
 
 
-def greedy_reply(saved: saved_model.SavedModel, prompt: list[int], stop: tuple[int, ...], media=None) -> list[int]:
-  """The sampler's greedy tokens after `prompt` (one row), through the stop token."""
+def greedy_replies(saved: saved_model.SavedModel, prompts: list[list[int]], stop: tuple[int, ...], media=None
+                   ) -> list[list[int]]:
+  """The sampler's greedy tokens after each prompt, through the stop token: one `sampler.generate`
+  call on the prompts right-padded into one batch (`decode.pad`'s layout)."""
   sampling = sampler.SamplingConfig(max_new_tokens=GREEDY.max_new_tokens, temperature=0.0, stop_tokens=stop)
-  out = sampler.generate(saved.text_cfg, saved.text_params, np.asarray([prompt]), np.asarray([len(prompt)]),
-                         jax.random.PRNGKey(0), sampling, media=media)
-  return np.asarray(out["tokens"])[0, :int(out["lengths"][0])].tolist()
+  padded, lengths = decode.pad(prompts, saved.text_cfg, sampling)
+  out = jax.device_get(sampler.generate(saved.text_cfg, saved.text_params, padded, lengths, jax.random.PRNGKey(0),
+                                        sampling, media=media))
+  return [out["tokens"][i, :out["lengths"][i]].tolist() for i in range(len(prompts))]
 
 
 def test_stream_and_batches_are_the_samplers_greedy_tokens_from_the_workdir_and_its_export(legacy_run):
@@ -65,18 +69,35 @@ def test_stream_and_batches_are_the_samplers_greedy_tokens_from_the_workdir_and_
     saved = saved_model.load(path)
     talker = generate.Talker(saved, GREEDY)
     assert talker.format.name == "legacy" and talker.format.stop_ids == (legacy_chat.ChatTokenizer().end_id,)
-    expected = [talker.format.reply(greedy_reply(saved, talker.format.prompt(c), talker.format.stop_ids))
-                for c in conversations]
-    streamed = "".join(talker.stream(conversations[0]))
-    assert streamed == expected[0].text and talker.last == expected[0]
-    assert talker.complete(conversations, batch=2) == expected
+    prompts = [talker.format.prompt(c) for c in conversations]
+    expected = [talker.format.reply(ids) for ids in greedy_replies(saved, prompts, talker.format.stop_ids)]
+    streamed = "".join(talker.stream(conversations[1]))
+    assert streamed == expected[1].text and talker.last == expected[1]
+    assert talker.complete(conversations) == expected
   assert saved_model.load(workdir).tokenizer.vocab_size == saved_model.load(folder).tokenizer.vocab_size == 268
 
 
+def test_a_pre_training_run_continues_its_prompt(legacy_run, tmp_path):
+  """The same model recorded with the plain byte tokenizer (as pre-training records it)."""
+  shutil.copytree(legacy_run[0], tmp_path / "run")
+  record = tmp_path / "run" / model_record.FILE
+  record.write_text(record.read_text().replace('"chat": "legacy"', '"chat": null').replace('"media": true',
+                                                                                           '"media": false'))
+  saved = saved_model.load(str(tmp_path / "run"))
+  talker = generate.Talker(saved, GREEDY)
+  assert talker.format.name == "text" and saved.tokenizer.vocab_size == 259
+  prompt = talker.format.prompt([{"role": "user", "content": "def f(x):"}])
+  assert prompt == [saved.tokenizer.bos_id, *saved.tokenizer.encode("def f(x):")]
+  expected = talker.format.reply(greedy_replies(saved, [prompt], (saved.tokenizer.eos_id,))[0])
+  assert "".join(talker.stream([{"role": "user", "content": "def f(x):"}])) == expected.text
+  with pytest.raises(ValueError, match="no system turn"):
+    talker.format.prompt([{"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}])
+
+
+@pytest.mark.slow
 def test_a_k25_checkpoint_answers_about_an_image_in_the_k25_format(tmp_path):
   """The byte vocabulary with the K2.5 chat tokens: the export's tokenizer.json and chat
   template carry them, and the image's features enter at its placeholders."""
-  from k25jax.data import tokenizer
   tok = tokenizer.ByteTokenizer(media=True, chat=True)
   model = k25.K25(config_utils.k25_config_from(common.k25_model_section("tiny", **TEXT, vocab_size=tok.vocab_size),
                                                tok))
@@ -95,28 +116,14 @@ def test_a_k25_checkpoint_answers_about_an_image_in_the_k25_format(tmp_path):
   pixels, layout = tool_rollout.media_batch([image], saved.cfg, 1)
   features = tool_rollout.encode_media(saved.params, pixels, layout, cfg=saved.cfg)
   mask = media_lib.placeholder_mask(np.asarray([prompt]), saved.cfg.media_token_ids)
-  expected = talker.format.reply(greedy_reply(saved, prompt, talker.format.stop_ids, media=(features, mask)))
+  expected = talker.format.reply(greedy_replies(saved, [prompt], talker.format.stop_ids, (features, mask))[0])
   assert "".join(talker.stream(messages, image)) == expected.text and talker.last == expected
   assert talker.complete([messages], [image]) == [expected]
-  first_logprobs = [sampler.stream(saved.text_cfg, saved.text_params, prompt, jax.random.PRNGKey(0), GREEDY,
-                                   media=media).__next__()[1] for media in ((features, mask), None)]
+  first_logprobs = [next(sampler.stream(saved.text_cfg, saved.text_params, prompt, jax.random.PRNGKey(0), GREEDY,
+                                        media=media))[1] for media in ((features, mask), None)]
   assert abs(first_logprobs[0] - first_logprobs[1]) > 1e-6            # the image is seen
   with open(os.path.join(str(tmp_path / "hf"), "tokenizer_config.json")) as f:
     assert "<|im_middle|>" in json.load(f)["chat_template"]
-
-
-def test_a_pre_training_run_continues_its_prompt(tmp_path):
-  tok_record = {"name": "bytes", "path": "", "media": False}
-  save_run(str(tmp_path / "run"), transformer.Transformer(ModelConfig(**TEXT, vocab_size=259)), tok_record)
-  saved = saved_model.load(str(tmp_path / "run"))
-  talker = generate.Talker(saved, GREEDY)
-  assert talker.format.name == "text"
-  prompt = talker.format.prompt([{"role": "user", "content": "def f(x):"}])
-  assert prompt == [saved.tokenizer.bos_id, *saved.tokenizer.encode("def f(x):")]
-  expected = talker.format.reply(greedy_reply(saved, prompt, (saved.tokenizer.eos_id,)))
-  assert "".join(talker.stream([{"role": "user", "content": "def f(x):"}])) == expected.text
-  with pytest.raises(ValueError, match="no system turn"):
-    talker.format.prompt([{"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}])
 
 
 @pytest.mark.slow
@@ -124,7 +131,8 @@ def test_the_command_line_prompt_and_prompts_files(legacy_run, tmp_path):
   workdir, folder = legacy_run
   saved = saved_model.load(workdir)
   fmt = chat_formats.for_tokenizer(saved.tokenizer)
-  expect = lambda text: fmt.reply(greedy_reply(saved, fmt.prompt([{"role": "user", "content": text}]), fmt.stop_ids))
+  expect = lambda text: fmt.reply(greedy_replies(saved, [fmt.prompt([{"role": "user", "content": text}])],
+                                                 fmt.stop_ids)[0])
   run = lambda *args: subprocess.run([sys.executable, "-m", "k25jax.generate", "--max_new_tokens=12", *args],
                                      cwd=CHECKOUT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
   one = run(f"--checkpoint={workdir}", "--prompt=12+30=")

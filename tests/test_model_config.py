@@ -12,7 +12,7 @@ def _leaf_count(cfg):
   return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
 
 
-@pytest.mark.parametrize("name", ["tiny", "small", "k25"])
+@pytest.mark.parametrize("name", ["tiny", "small", "moonlight", "k25"])
 def test_eval_shape_matches_analytic_count(name):
   cfg = config.preset(name)
   assert _leaf_count(cfg) == config.param_counts(cfg)["total"]
@@ -23,6 +23,15 @@ def test_k25_counts_are_the_released_model():
   print(f"k25 total {counts['total']:,} active {counts['active']:,}")
   assert 1.02e12 < counts["total"] < 1.04e12      # "1.04T" in the K2 report counts 1.03T text params
   assert 32.0e9 < counts["active"] < 33.5e9       # "32B activated"
+
+
+def test_moonlight_is_the_published_16b_a3b():
+  """Moonlight-16B-A3B: 15.96B params by eval_shape and by count, 2.91B activated a token."""
+  cfg = config.preset("moonlight")
+  counts = config.param_counts(cfg)
+  assert counts == {"total": 15_960_110_208, "active": 2_914_776_192}
+  assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
+          cfg.n_shared_experts, cfg.q_lora_rank, cfg.vocab_size) == (27, 2048, 64, 6, 2, None, 163840)
 
 
 def test_k25_facts():

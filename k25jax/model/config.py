@@ -222,11 +222,23 @@ def _small() -> ModelConfig:
       dtype="bfloat16", param_dtype="float32")
 
 
-PRESETS = {"tiny": ModelConfig, "small": _small, "k25": _k25}
+def _moonlight() -> ModelConfig:
+  """Moonlight-16B-A3B as published (moonshotai/Moonlight-16B-A3B config.json): the K2
+  architecture at 16B total / 3B activated, no q-LoRA, RoPE θ 50000 without YaRN."""
+  return ModelConfig(
+      vocab_size=163840, hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
+      num_hidden_layers=27, num_attention_heads=16, n_shared_experts=2, n_routed_experts=64,
+      num_experts_per_tok=6, routed_scaling_factor=2.446, n_group=1, topk_group=1,
+      first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+      qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5,
+      rope_theta=50000.0, rope_scaling=None, dtype="bfloat16", param_dtype="bfloat16")
+
+
+PRESETS = {"tiny": ModelConfig, "small": _small, "moonlight": _moonlight, "k25": _k25}
 
 
 def preset(name: str, **overrides: Any) -> ModelConfig:
-  """`preset("tiny" | "small" | "k25", **field_overrides)`."""
+  """`preset("tiny" | "small" | "moonlight" | "k25", **field_overrides)`."""
   if name not in PRESETS:
     raise ValueError(f"unknown model preset {name!r}; choose from {sorted(PRESETS)}")
   base = PRESETS[name]()

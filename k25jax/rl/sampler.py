@@ -192,16 +192,27 @@ def _advance(params, last, cache, positions, rng, *, cfg: ModelConfig, sampling:
   return advance(transformer.Transformer(cfg), params, last, cache, positions, rng, sampling)
 
 
+STREAM_WIDTH_MULTIPLE = 64     # `stream` pads a prompt to a multiple of this: a chat compiles once per 64 tokens
+
+
 def stream(cfg: ModelConfig, params, prompt: Sequence[int], rng: jax.Array, sampling: SamplingConfig,
            media=None) -> Iterator[tuple[int, float]]:
   """Samples after one prompt a token at a time, for a caller that shows each as it comes:
   yields (token, log-prob) through the first stop token, at most `max_new_tokens`. The
   steps are `generate`'s (`prefill`, then `advance` with the key split the same way), run
-  from Python; `media` as in `generate`, for this one row. One process."""
-  check_lengths(cfg, len(prompt), sampling)
-  prompts = np.asarray([prompt], np.int32)
+  from Python on the prompt right-padded to a multiple of `STREAM_WIDTH_MULTIPLE` (as
+  `generate` runs a shorter row of its batch); `media` as in `generate`, its placeholder
+  mask as wide as the prompt. One process."""
+  width = min(-(-len(prompt) // STREAM_WIDTH_MULTIPLE) * STREAM_WIDTH_MULTIPLE,
+              cfg.max_position_embeddings - sampling.max_new_tokens)
+  check_lengths(cfg, max(width, len(prompt)), sampling)
+  prompts = np.full((1, width), sampling.pad_id, np.int32)
+  prompts[0, :len(prompt)] = prompt
+  if media is not None:
+    features, mask = media
+    media = features, np.pad(np.asarray(mask, bool), ((0, 0), (0, width - np.shape(mask)[1])))
   last, cache = _prefill(params, prompts, np.asarray([len(prompt)], np.int32), media, cfg=cfg,
-                         cache_len=len(prompt) + sampling.max_new_tokens)
+                         cache_len=width + sampling.max_new_tokens)
   for step in range(sampling.max_new_tokens):
     token, logp, last, cache, rng = _advance(params, last, cache, np.asarray([len(prompt) + step], np.int32), rng,
                                              cfg=cfg, sampling=sampling)

@@ -2,7 +2,7 @@
 
 The model comes from the workdir's `model_config.json` (written by every run when it starts),
 the params from its newest checkpoint or the one of `step` (any stage's, whatever its
-optimizer), restored onto this host's first device (`saved_model.load`). The folder gets
+optimizer), restored onto this host's first device (`saved_model.load_workdir`). The folder gets
 config.json (DeepseekV3ForCausalLM for a text run, Kimi_K25ForConditionalGeneration with the
 vision tower and projector for a K2.5 run), the safetensors shards (with their index when
 there are several), generation_config.json (greedy, the tokenizer's BOS/EOS) and the
@@ -28,7 +28,7 @@ def export(workdir: str, out: str, dtype: str = "float32", step: int | None = No
            ) -> str:
   """Writes the newest params of `workdir` (or checkpoint `step`'s) to `out` as an HF folder,
   the routed experts pack-quantized to INT4 in groups of `int4_group` when given; returns `out`."""
-  saved = saved_model.load(workdir, step)
+  saved = saved_model.load_workdir(workdir, step)
   params = jax.device_get(saved.params)
   if dtype != "float32":
     params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)) if jnp.issubdtype(x.dtype, jnp.floating) else x,

@@ -46,18 +46,28 @@ def load(path: str, step: int | None = None) -> SavedModel:
   """The model at `path` (module docstring) on this host's first device; `step` (workdirs
   only): that checkpoint instead of the newest."""
   if os.path.isfile(os.path.join(path, model_record.FILE)):
-    cfg, record = model_record.read(path)
-    model = k25.K25(cfg) if isinstance(cfg, K25Config) else transformer.Transformer(cfg)
-    mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
-    params = trainer_lib.restore_params(model, path, mesh, step=step)
-    return SavedModel(cfg, params, chat_formats.tokenizer_from_record(record) if record else None, "workdir", record)
+    return load_workdir(path, step)
   if os.path.isfile(os.path.join(path, "config.json")):
     if step is not None:
       raise ValueError(f"{path} is a Hugging Face folder (one set of weights): --step is for k25jax workdirs")
-    cfg, params = hf.load(path)
-    return SavedModel(cfg, params, _folder_tokenizer(path, isinstance(cfg, K25Config)), "hf")
+    return load_folder(path)
   raise FileNotFoundError(f"{path!r} is neither a k25jax workdir ({model_record.FILE}) nor a Hugging Face folder "
                           "(config.json)")
+
+
+def load_workdir(workdir: str, step: int | None = None) -> SavedModel:
+  """A k25jax run's model, its newest params (or checkpoint `step`'s) and recorded tokenizer."""
+  cfg, record = model_record.read(workdir)
+  model = k25.K25(cfg) if isinstance(cfg, K25Config) else transformer.Transformer(cfg)
+  mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  params = trainer_lib.restore_params(model, workdir, mesh, step=step)
+  return SavedModel(cfg, params, chat_formats.tokenizer_from_record(record) if record else None, "workdir", record)
+
+
+def load_folder(path: str) -> SavedModel:
+  """A Hugging Face folder's model, params and tokenizer."""
+  cfg, params = hf.load(path)
+  return SavedModel(cfg, params, _folder_tokenizer(path, isinstance(cfg, K25Config)), "hf")
 
 
 def _folder_tokenizer(path: str, media: bool):
