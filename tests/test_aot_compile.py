@@ -32,7 +32,7 @@ def test_small_preset_train_step_compiles_for_v5p_2x2x1(monkeypatch):
   config = config_utils.load_config_file(os.path.join(ROOT, "configs", "pretrain.py"), "small")
   config_utils.apply_overrides(config, [
       "model.num_hidden_layers=2", "model.scan_layers=True", "model.moe_impl=ragged_dot",
-      "optimizer.name=muonclip", "train.batch=8", "train.seq_len=256"])
+      "train.batch=8", "train.seq_len=256"])
   devices = topologies.get_topology_desc("v5p:2x2x1", "tpu").devices
   assert len(devices) == 4 and devices[0].platform == "tpu"
   # conftest makes "highest" the default matmul precision (fp32 parity on the CPU); Mosaic rejects an

@@ -1,15 +1,17 @@
 """Stages on two processes (jax.distributed over localhost, gloo CPU collectives, 2 devices
-each) train exactly as on one process with 4 devices: the ViT stage (both phases) and joint
-pre-training, with their media sharded with the rows; zero-vision SFT with visual examples
-(the image batches, then tool rollouts with and without the image); and vision RL with
-Toggle (the sampler's rollouts and Toggle's budgets, image prompts encoded on the mesh, the
-K2.5 loss with the images, the evaluation) from an SFT start trained once, here: after tens
-of steps two runs of it differ by float noise, and sampling at T = 1 turns that into
-different tokens. (The text RL stage ran here too, with Toggle; its sampler, Toggle and
-driver are the ones vision RL runs, so this run stands for both.)
+each) train exactly as on one process with 4 devices: joint pre-training, with its media
+sharded with the rows; zero-vision SFT with visual examples (the image batches, then tool
+rollouts with and without the image); and vision RL with Toggle (the sampler's rollouts and
+Toggle's budgets, image prompts encoded on the mesh, the K2.5 loss with the images, the
+evaluation) from an SFT start trained once, here: after tens of steps two runs of it differ
+by float noise, and sampling at T = 1 turns that into different tokens. (The text RL stage
+ran here too, with Toggle; its sampler, Toggle and driver are the ones vision RL runs, so
+this run stands for both. So did the ViT stage: its batches are joint pre-training's mixture
+at a vision share of 1 and its step the same media-sharded step, so joint pre-training stands
+for it across processes; its phase switch is tested on one process, test_stage_multimodal.py.)
 
 The three processes (`single`: one process, 4 devices; process 0 and 1; LLVM at its quickest
-level, cpu_env.COMPILE_BOUND_FLAGS) start once and run the four stages in turn, each into its
+level, cpu_env.COMPILE_BOUND_FLAGS) start once and run the three stages in turn, each into its
 own workdir and metrics file; a test per stage
 compares them: every logged metric, and the params of the last checkpoint (the pair's saved
 by both processes together). Run as a script, this file is one such worker.
@@ -30,8 +32,8 @@ STEPS = 2
 
 
 def stage_config(stage: str, init: str = ""):
-  """Micro configs of the stages (joint pre-training and ViT: media in 4 shards, one per data
-  shard); `init`: the RL run's init.checkpoint."""
+  """Micro configs of the stages (joint pre-training: media in 4 shards, one per data shard);
+  `init`: the RL run's init.checkpoint."""
   from config_files import load_config
   from configs import common
   if stage == "sft":         # zero-vision trajectories + visual examples; eval with and without the image
@@ -59,16 +61,6 @@ def stage_config(stage: str, init: str = ""):
     config.sandbox.sessions = 8
     config.mesh.update(data=2, fsdp=2)
     return config
-  if stage == "vit":         # the tower and projector, then the projector alone (step 2), media in 4 shards
-    config = load_config("configs/vit.py")
-    config.model = common.k25_model_section("tiny", **MICRO_TEXT)
-    config.data.update(shard_media=True, max_patches=512, tasks=("count", "motion"))
-    config.vit.projector_only_from = 1
-    config.mesh.update(data=2, fsdp=2)
-    config.optimizer.update(warmup_steps=1, decay_steps=1)
-    config.train.update(steps=STEPS, batch=8, seq_len=96, log_every=1, eval_every=STEPS, eval_batches=1,
-                        checkpoint_every=STEPS, keep_checkpoints=1)
-    return config
   config = load_config("configs/pretrain.py", "joint")
   config.data.update(shard_media=True, max_patches=512, vision_ratio=0.3, vision_eval_batches=1,
                      vision_tasks=("count", "motion"))
@@ -82,8 +74,8 @@ def stage_config(stage: str, init: str = ""):
 
 def run_stage(stage: str, workdir: str, init: str) -> dict[str, np.ndarray]:
   """Every logged train and eval metric of the stage's run, by split and name."""
-  from k25jax.stages import pretrain, rl_vision, sft, vit
-  stages = {"joint": pretrain, "sft": sft, "rl_vision": rl_vision, "vit": vit}
+  from k25jax.stages import pretrain, rl_vision, sft
+  stages = {"joint": pretrain, "sft": sft, "rl_vision": rl_vision}
   _, history = stages[stage].run(stage_config(stage, init), workdir)
   out = {}
   for record in history:
@@ -107,7 +99,7 @@ def sft_start(workdir: str) -> None:
   sft.run(config, workdir)
 
 
-STAGES = ("joint", "vit", "sft", "rl_vision")
+STAGES = ("joint", "sft", "rl_vision")
 WORKERS = (("single", 4), ("0", 2), ("1", 2))
 
 
@@ -154,11 +146,11 @@ def final_params(workdir: str) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("stage", STAGES)
 def test_the_micro_configs_pass_their_stages_checks(stage):
   """What the workers run is a valid run of the stage: its fields and its stage's own check."""
-  from k25jax.stages import pretrain, rl_vision, sft, vit
+  from k25jax.stages import pretrain, rl_vision, sft
   from k25jax.train import config_check
   config = stage_config(stage, init="/a/warm_start")
   config_check.validate(config)
-  {"joint": pretrain, "sft": sft, "rl_vision": rl_vision, "vit": vit}[stage].check(config)
+  {"joint": pretrain, "sft": sft, "rl_vision": rl_vision}[stage].check(config)
 
 
 @pytest.mark.slow
@@ -172,8 +164,8 @@ def test_two_processes_match_one(runs, stage):
     assert list(single["train/toggle_phase"]) == [0, 1]
   else:
     assert single["train/grad_norm"].min() > 0 and single["train/skipped_steps"].max() == 0
-  if stage in ("joint", "vit"):      # answers of images that the tower encoded in their shards
-    assert single["train/answer_count"].min() > 0 and ("eval/vision_loss" in single) == (stage == "joint")
+  if stage == "joint":      # answers of images that the tower encoded in their shards
+    assert single["train/answer_count"].min() > 0 and "eval/vision_loss" in single
   if stage == "sft":     # the held-out rollouts ran with the images encoded on the mesh
     assert "eval/image_tool/accuracy" in single and single["eval/image_tool/generated_tokens"].min() > 0
   for who in ("0", "1"):
@@ -181,7 +173,7 @@ def test_two_processes_match_one(runs, stage):
     assert sorted(got) == sorted(single)
     for name, values in single.items():     # sampled tokens and rewards equal; float noise of the collectives
       np.testing.assert_allclose(got[name], values, rtol=1e-4, atol=1e-5, err_msg=f"process {who}: {name}")
-    if stage in ("joint", "vit"):
+    if stage == "joint":
       np.testing.assert_allclose(got["train/loss"], single["train/loss"], rtol=1e-5)
   reference = final_params(os.path.join(workdirs["single"], stage))
   pair = final_params(os.path.join(workdirs["pair"], stage))
