@@ -2,6 +2,7 @@
 the sampler's greedy tokens, streamed one at a time or decoded in batches, in the format the
 checkpoint's tokenizer speaks (the legacy chat format of the chat stages, the K2.5 format
 with an image, plain text for a pre-training run); the command line gives the same."""
+import io
 import json
 import os
 import shutil
@@ -75,6 +76,21 @@ def test_stream_and_batches_are_the_samplers_greedy_tokens_from_the_workdir_and_
     assert streamed == expected[1].text and talker.last == expected[1]
     assert talker.complete(conversations) == expected
   assert saved_model.load(workdir).tokenizer.vocab_size == saved_model.load(folder).tokenizer.vocab_size == 268
+
+
+def test_the_chat_keeps_the_conversation_and_stops_at_an_empty_line(legacy_run):
+  """Two turns: the second prompt holds the first turn and its answer; an empty line ends the chat."""
+  saved = saved_model.load(legacy_run[0])
+  talker = generate.Talker(saved, GREEDY)
+  first = talker.format.reply(greedy_replies(saved, [talker.format.prompt([{"role": "user", "content": "hi"}])],
+                                             talker.format.stop_ids)[0])
+  history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": first.text},
+             {"role": "user", "content": "again"}]
+  second = talker.format.reply(greedy_replies(saved, [talker.format.prompt(history)], talker.format.stop_ids)[0])
+  out = io.StringIO()
+  generate.chat_loop(talker, iter(["hi\n", "again\n", "\n", "never read\n"]), out, None, None, once=False)
+  marks = [reply.text + ("\n" if reply.error is None else f"\n[{reply.error}]\n") for reply in (first, second)]
+  assert out.getvalue() == "".join(marks)
 
 
 def test_a_pre_training_run_continues_its_prompt(legacy_run, tmp_path):
