@@ -61,6 +61,7 @@ def greedy_replies(saved: saved_model.SavedModel, prompts: list[list[int]], stop
   return [out["tokens"][i, :out["lengths"][i]].tolist() for i in range(len(prompts))]
 
 
+@pytest.mark.slow
 def test_stream_and_batches_are_the_samplers_greedy_tokens_from_the_workdir_and_its_export(legacy_run):
   workdir, folder = legacy_run
   conversations = [[{"role": "user", "content": "12+30="}],

@@ -44,6 +44,7 @@ def test_auto_is_xla_on_cpu():
                                                                           else "pallas")
 
 
+@pytest.mark.slow
 def test_pallas_logits_and_gradients_equal_xla(params):
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, 64, (2, 21)), jnp.int32)               # 21: not a block multiple
@@ -113,6 +114,7 @@ def test_vision_auto_is_xla_on_cpu():
       "xla" if jax.default_backend() == "cpu" else "pallas")
 
 
+@pytest.mark.slow
 def test_vision_tower_pallas_features_and_gradients_equal_xla():
   layout = vision.patch_layout(GRIDS, VISION, num_patches=48, num_merged=12)     # 4 padding patches
   pixels = jax.random.normal(jax.random.PRNGKey(0), (48, 3, 14, 14))

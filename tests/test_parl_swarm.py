@@ -25,6 +25,7 @@ def _texts(results):
   return [[r.orchestrator.text] + [t.text for t in r.subagents] for r in results]
 
 
+@pytest.mark.slow
 def test_batched_swarm_decodes_like_each_episode_alone(setup):
   config, model_cfg, params = setup
   tasks = widesearch.sample_tasks(6, seed=3, deep_fraction=0.3)

@@ -108,6 +108,7 @@ def test_vision_features_of_a_packed_image_and_chunk_match(checkpoint, loaded):
   np.testing.assert_allclose(np.asarray(features), checkpoint["features"], atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_logits_with_media_in_the_prompt_match(checkpoint, loaded):
   cfg, params = loaded
   pixels = np.concatenate([checkpoint["image"], checkpoint["video"]])
