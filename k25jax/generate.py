@@ -28,15 +28,15 @@ import sys
 from typing import Iterator, Sequence, TextIO
 
 import jax
-import numpy as np
 from absl import app, flags
 
 from k25jax.agents import tool_rollout
 from k25jax.data import chat_formats, vision as vision_data
-from k25jax.model import media as media_lib
 from k25jax.model.config import K25Config
 from k25jax.rl import decode, sampler
 from k25jax.train import saved_model
+
+STREAM_WIDTH_MULTIPLE = 64     # a streamed prompt is padded to this: a chat compiles once per 64 tokens, not per turn
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A k25jax workdir or a Hugging Face folder.")
 _STEP = flags.DEFINE_integer("step", None, "A workdir's checkpoint (default: the newest).")
@@ -75,19 +75,11 @@ class Talker:
       raise ValueError(f"--image={path!r}: the checkpoint is a text model; images need a K2.5 model")
     return vision_data.preprocess_image(path, max_patches=self.max_patches)
 
-  def _media_for(self, images: Sequence[vision_data.Media | None]):
-    """media_for(prompts) of `decode.decode` / the media of `sampler.stream` (None without images)."""
+  def _media_for(self, images: Sequence[vision_data.Media | None]) -> decode.MediaFor:
+    """The rows' image features and placeholder mask for padded prompts (None without images)."""
     if not any(m is not None for m in images):
-      return None
-    cfg, params = self.saved.cfg, self.saved.params
-
-    def media_for(prompts: np.ndarray):
-      mask = media_lib.placeholder_mask(prompts, cfg.media_token_ids)
-      media_lib.check_placeholders(mask, [m.num_tokens for m in images if m is not None])
-      pixels, layout = tool_rollout.media_batch(list(images) + [None] * (len(prompts) - len(images)), cfg,
-                                                len(prompts))
-      return tool_rollout.encode_media(params, pixels, layout, cfg=cfg), mask
-    return media_for
+      return lambda prompts: None
+    return tool_rollout.rows_media(self.saved.cfg, self.saved.params, images)
 
   def _key(self) -> jax.Array:
     self.rng, key = jax.random.split(self.rng)
@@ -96,11 +88,12 @@ class Talker:
   def stream(self, messages: Sequence[dict], image: vision_data.Media | None = None) -> Iterator[str]:
     """The answer's text as it is written, piece by piece; then `self.last` holds its Reply."""
     prompt = self.format.prompt(messages, image)
-    media_for = self._media_for([image])
-    media = media_for(np.asarray([prompt], np.int32)) if media_for else None
+    padded, _ = decode.pad([prompt], self.saved.text_cfg, self.sampling, width_multiple=STREAM_WIDTH_MULTIPLE,
+                           bucket_rows=False)
+    media = self._media_for([image])(padded)
     ids, shown = [], 0
-    for token, _ in sampler.stream(self.saved.text_cfg, self.saved.text_params, prompt, self._key(), self.sampling,
-                                   media=media):
+    for token, _ in sampler.stream(self.saved.text_cfg, self.saved.text_params, padded, len(prompt), self._key(),
+                                   self.sampling, media=media):
       ids.append(token)
       text = self.format.reply(ids).text
       if not text.endswith("\ufffd") and len(text) > shown:

@@ -136,8 +136,9 @@ def test_a_k25_checkpoint_answers_about_an_image_in_the_k25_format(tmp_path):
   expected = talker.format.reply(greedy_replies(saved, [prompt], talker.format.stop_ids, (features, mask))[0])
   assert "".join(talker.stream(messages, image)) == expected.text and talker.last == expected
   assert talker.complete([messages], [image]) == [expected]
-  first_logprobs = [next(sampler.stream(saved.text_cfg, saved.text_params, prompt, jax.random.PRNGKey(0), GREEDY,
-                                        media=media))[1] for media in ((features, mask), None)]
+  first_logprobs = [next(sampler.stream(saved.text_cfg, saved.text_params, np.asarray([prompt]), len(prompt),
+                                        jax.random.PRNGKey(0), GREEDY, media=media))[1]
+                    for media in ((features, mask), None)]
   assert abs(first_logprobs[0] - first_logprobs[1]) > 1e-6            # the image is seen
   with open(os.path.join(str(tmp_path / "hf"), "tokenizer_config.json")) as f:
     assert "<|im_middle|>" in json.load(f)["chat_template"]

@@ -231,21 +231,28 @@ def vision_decoder(cfg: K25Config, params, sampling: sampler.SamplingConfig,
   rng = [jax.random.PRNGKey(seed)]
 
   def decode_turns(contexts, episodes):
-    items = [media_of(e) for e in episodes]
-
-    def media_for(prompts):
-      mask = media_lib.placeholder_mask(prompts, cfg.media_token_ids)
-      media_lib.check_placeholders(mask, [m.num_tokens for m in items if m is not None])
-      batch = media_batch(items, cfg, len(prompts), per_row)
-      if batch is None:
-        return None
-      pixel_values, layout = sampler.on_params_mesh(params, batch)
-      return encode_media(params, pixel_values, layout, cfg=cfg), mask
-
+    media_for = rows_media(cfg, params, [media_of(e) for e in episodes], per_row)
     rng[0], key = jax.random.split(rng[0])
     return decode.turns(decode.decode(cfg.text, params[k25.LANGUAGE_MODEL], contexts, key, sampling,
                                       width_multiple=TURN_WIDTH_MULTIPLE, min_rows=min_rows, media_for=media_for))
   return decode_turns
+
+
+def rows_media(cfg: K25Config, params, items: Sequence[vision_data.Media | None],
+               per_row: int | None = None) -> decode.MediaFor:
+  """media_for(prompts) of `decode.decode` for rows whose images are `items` (row order; None:
+  no image): the placeholders checked against the items, the images encoded by the vision
+  tower (`per_row` patches a row, `media_batch`) into the features the sampler splices in at
+  prefill; None when no row has an image."""
+  def media_for(prompts):
+    mask = media_lib.placeholder_mask(prompts, cfg.media_token_ids)
+    media_lib.check_placeholders(mask, [m.num_tokens for m in items if m is not None])
+    batch = media_batch(items, cfg, len(prompts), per_row)
+    if batch is None:
+      return None
+    pixel_values, layout = sampler.on_params_mesh(params, batch)
+    return encode_media(params, pixel_values, layout, cfg=cfg), mask
+  return media_for
 
 
 def sandbox_pool(section) -> sandbox.SandboxPool:

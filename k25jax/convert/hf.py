@@ -479,9 +479,10 @@ def _int4_experts(tensors: Iterator[tuple[str, np.ndarray]], group: int) -> Iter
     if not _ROUTED_EXPERT_WEIGHT.search(name):
       yield name, value
       continue
-    if value.shape[1] % group:
-      raise ValueError(f"{name}: {value.shape[1]} input columns are not a multiple of the INT4 group {group}")
-    packed, scale = int4.quantize(value, group, scale_dtype=ml_dtypes.bfloat16)
+    try:
+      packed, scale = int4.quantize(value, group, scale_dtype=ml_dtypes.bfloat16)
+    except ValueError as e:
+      raise ValueError(f"{name}: {e}") from e
     stem = name[:-len("weight")]
     yield stem + "weight_packed", packed
     yield stem + "weight_scale", scale

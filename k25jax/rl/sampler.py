@@ -5,8 +5,8 @@
     out["logprobs"] [b, max_new_tokens]  log π(token) under the sampling distribution (0 after stop)
     out["lengths"]  [b]                  generated tokens per row, the stop token included
 
-    for token, logprob in sampler.stream(model_cfg, params, prompt, rng, SamplingConfig(...)):
-        ...                                one prompt, a token at a time (to show it as it comes)
+    for token, logprob in sampler.stream(model_cfg, params, prompt, prompt_length, rng, SamplingConfig(...)):
+        ...                                one prompt [1, P], a token at a time (to show it as it comes)
 
 Prompts are right-padded [b, P] with their true lengths; each row decodes at its own
 positions (row b's first new token sits at position prompt_lengths[b]), so rows of
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -192,29 +192,17 @@ def _advance(params, last, cache, positions, rng, *, cfg: ModelConfig, sampling:
   return advance(transformer.Transformer(cfg), params, last, cache, positions, rng, sampling)
 
 
-STREAM_WIDTH_MULTIPLE = 64     # `stream` pads a prompt to a multiple of this: a chat compiles once per 64 tokens
-
-
-def stream(cfg: ModelConfig, params, prompt: Sequence[int], rng: jax.Array, sampling: SamplingConfig,
-           media=None) -> Iterator[tuple[int, float]]:
-  """Samples after one prompt a token at a time, for a caller that shows each as it comes:
-  yields (token, log-prob) through the first stop token, at most `max_new_tokens`. The
-  steps are `generate`'s (`prefill`, then `advance` with the key split the same way), run
-  from Python on the prompt right-padded to a multiple of `STREAM_WIDTH_MULTIPLE` (as
-  `generate` runs a shorter row of its batch); `media` as in `generate`, its placeholder
-  mask as wide as the prompt. One process."""
-  width = min(-(-len(prompt) // STREAM_WIDTH_MULTIPLE) * STREAM_WIDTH_MULTIPLE,
-              cfg.max_position_embeddings - sampling.max_new_tokens)
-  check_lengths(cfg, max(width, len(prompt)), sampling)
-  prompts = np.full((1, width), sampling.pad_id, np.int32)
-  prompts[0, :len(prompt)] = prompt
-  if media is not None:
-    features, mask = media
-    media = features, np.pad(np.asarray(mask, bool), ((0, 0), (0, width - np.shape(mask)[1])))
-  last, cache = _prefill(params, prompts, np.asarray([len(prompt)], np.int32), media, cfg=cfg,
-                         cache_len=width + sampling.max_new_tokens)
+def stream(cfg: ModelConfig, params, prompt: np.ndarray, prompt_length: int, rng: jax.Array,
+           sampling: SamplingConfig, media=None) -> Iterator[tuple[int, float]]:
+  """Samples after one right-padded prompt [1, P] of `prompt_length` tokens a token at a time,
+  for a caller that shows each as it comes: yields (token, log-prob) through the first stop
+  token, at most `max_new_tokens`. The steps are `generate`'s (`prefill`, then `advance` with
+  the key split the same way), run from Python; `media` as in `generate`. One process."""
+  check_lengths(cfg, prompt.shape[1], sampling)
+  last, cache = _prefill(params, np.asarray(prompt, np.int32), np.asarray([prompt_length], np.int32), media, cfg=cfg,
+                         cache_len=prompt.shape[1] + sampling.max_new_tokens)
   for step in range(sampling.max_new_tokens):
-    token, logp, last, cache, rng = _advance(params, last, cache, np.asarray([len(prompt) + step], np.int32), rng,
+    token, logp, last, cache, rng = _advance(params, last, cache, np.asarray([prompt_length + step], np.int32), rng,
                                              cfg=cfg, sampling=sampling)
     token = int(token[0])
     yield token, float(logp[0])
