@@ -171,44 +171,16 @@ def uninterrupted(tmp_path_factory):
   return workdir, jax.device_get(state), history
 
 
-def _signal_during(monkeypatch, moment: str) -> int:
-  """Sends this process SIGTERM while iteration 2 samples its rollouts, during the evaluation
-  at iteration 0, or twice during the save of iteration 2; returns the iteration the run must
-  stop after."""
-  if moment == "mid_save":
-    sigterm.twice_during_save(monkeypatch, 2)
-    return 2
-  train = driver.train
-
-  def train_with_signal(trainer, state, config, *, collect, evaluate, **kw):
-    def collect_with_signal(params, iteration):
-      if iteration == 1:
-        sigterm.send()
-      return collect(params, iteration)
-
-    def evaluate_with_signal(params):
-      sigterm.send()
-      return evaluate(params)
-
-    if moment == "mid_step":
-      return train(trainer, state, config, collect=collect_with_signal, evaluate=evaluate, **kw)
-    return train(trainer, state, config, collect=collect, evaluate=evaluate_with_signal, **kw)
-
-  monkeypatch.setattr(driver, "train", train_with_signal)
-  return 2 if moment == "mid_step" else 1
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("moment", ["mid_step", "mid_evaluation", "mid_save"])
 def test_sigterm_stops_after_the_iteration_in_flight_and_the_rerun_ends_as_the_uninterrupted_run(
     uninterrupted, tmp_path, monkeypatch, moment):
   _, state, history = uninterrupted
-  stop_at = _signal_during(monkeypatch, moment)
+  stop_at = sigterm.during_rl_iterations(monkeypatch, moment)
   with pytest.raises(preemption.Preempted, match=f"^preempted at step {stop_at}: saved to ") as stopped:
     rl.run(_preemption_config(), str(tmp_path))
   assert stopped.value.step == stop_at
   monkeypatch.undo()
   resumed, resumed_history = rl.run(_preemption_config(), str(tmp_path))
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed), state)   # bitwise, rng included
-  untimed = lambda rows: [{k: v for k, v in row.items() if not k.endswith(("_s", "per_s"))} for row in rows]   # clocks
-  assert untimed(resumed_history) == untimed([h for h in history if h["iteration"] > stop_at])
+  assert sigterm.untimed(resumed_history) == sigterm.untimed([h for h in history if h["iteration"] > stop_at])
