@@ -13,7 +13,7 @@ import sigterm
 from flax import traverse_util
 
 from k25jax.model import transformer
-from k25jax.rl import driver, policy_loss, rollout, sampler, tasks
+from k25jax.rl import policy_loss, rollout, sampler, tasks
 from k25jax.stages import rl
 from k25jax.train import config_utils, preemption, sharding, trainer as trainer_lib
 
