@@ -5,8 +5,11 @@ A save (`checkpoint.Checkpoints.save`, what every stage calls) computes the dige
 array on device, then hands the state to Orbax, which copies the device arrays to host and
 writes them in a background thread (its `CheckpointManager` saves asynchronously). The table
 gives, per preset, the median of `--repeats`: a step alone; the blocking part of `save`
-(digests + hand-off); the step taken right after it while the write is in flight; and the
-time from the save call until the write finished (`wait_until_finished`, that step included). Times are wall-clock on this
+(digests + hand-off) and, timed apart, the digests alone and a copy of every array of the
+state into new host memory (`np.array`: what "copying the device arrays to host" costs where
+the device is the host); the step taken right after the save call while the write is in
+flight; and the time from the save call until the write finished (`wait_until_finished`,
+that step included). Times are wall-clock on this
 machine, every step waited on (`block_until_ready`).
 
     python experiments/bench_checkpoint.py [--repeats 3] [--small-layers 2]
@@ -22,6 +25,7 @@ import tempfile
 import time
 
 import jax
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import pretrain as pretrain_config  # noqa: E402
@@ -58,9 +62,12 @@ def bench(preset: str, repeats: int, layers: int | None) -> dict:
     saver = checkpoint.Checkpoints(workdir, keep=2)
     saver.save(0, state)                                    # compile the digests, warm Orbax
     saver.manager.wait_until_finished()
-    rows = {"step_s": [], "save_call_s": [], "step_during_write_s": [], "write_s": []}
+    rows = {"step_s": [], "save_call_s": [], "digests_s": [], "host_copy_s": [], "step_during_write_s": [],
+            "write_s": []}
     for i in range(repeats):
       (state, _), alone = timed(lambda: run(state))
+      rows["digests_s"].append(timed(lambda: checkpoint.digests(state))[1])
+      rows["host_copy_s"].append(timed(lambda: [np.array(x) for x in jax.tree.leaves(state)])[1])
       start = time.perf_counter()
       _, call = timed(lambda: saver.save(i + 1, state))
       (state, _), during = timed(lambda: run(state))
@@ -85,10 +92,11 @@ def main():
   args = parser.parse_args()
   results = [bench("tiny", args.repeats, None), bench("small", args.repeats, args.small_layers)]
   print(f"{'preset':8} {'layers':>6} {'params':>12} {'state MB':>9} {'step s':>8} {'save call s':>12} "
-        f"{'step during write s':>20} {'write s':>8}")
+        f"{'of it digests s':>16} {'host copy s':>12} {'step during write s':>20} {'write s':>8}")
   for r in results:
     print(f"{r['preset']:8} {r['layers']:>6} {r['params']:>12,} {r['state_bytes'] / 2**20:>9.1f} {r['step_s']:>8.3f} "
-          f"{r['save_call_s']:>12.3f} {r['step_during_write_s']:>20.3f} {r['write_s']:>8.3f}")
+          f"{r['save_call_s']:>12.3f} {r['digests_s']:>16.3f} {r['host_copy_s']:>12.3f} "
+          f"{r['step_during_write_s']:>20.3f} {r['write_s']:>8.3f}")
   os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
   with open(RESULTS, "w") as f:
     json.dump({"devices": jax.device_count(), "platform": jax.devices()[0].platform, "results": results}, f, indent=1)

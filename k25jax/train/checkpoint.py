@@ -66,10 +66,17 @@ def _digest(x: jax.Array) -> jax.Array:
   return jnp.sum(words * weights, dtype=jnp.uint32)
 
 
+@jax.jit
+def _digests(arrays: list[jax.Array]) -> list[jax.Array]:
+  """`_digest` of each array, one program (compiled once per list of shapes and shardings: a
+  run's saves after the first only compute)."""
+  return [_digest(x) for x in arrays]
+
+
 def digests(tree) -> dict[str, int]:
   """{path: digest} of every array leaf of `tree` (paths as `jax.tree_util.keystr`)."""
   leaves = jax.tree_util.tree_leaves_with_path(tree)
-  values = jax.device_get(jax.jit(lambda xs: [_digest(x) for x in xs])([x for _, x in leaves]))
+  values = jax.device_get(_digests([x for _, x in leaves]))
   return {jax.tree_util.keystr(path): int(v) for (path, _), v in zip(leaves, values)}
 
 
