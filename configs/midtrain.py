@@ -44,7 +44,10 @@ def get_config(arg=None):
   ))
 
   c.data = ml_collections.ConfigDict(dict(
-      source="python_stdlib",
+      source="python_stdlib",              # or files (one GLOB of .jsonl/.jsonl.gz/.parquet: k25jax/data/files.py)
+      files="",
+      eval_files="",
+      text_field="text",
       tokenizer="bytes",
       vocab_file="",
       max_doc_chars=8000,                  # long documents, packed into rows of train.seq_len

@@ -46,7 +46,11 @@ def get_config(arg=None):
   c.init = common.init_section(k25=joint)
 
   c.data = ml_collections.ConfigDict(dict(
-      source="python_stdlib",      # offline text, see k25jax/data/sources.py
+      source="python_stdlib",      # offline text (k25jax/data/sources.py), or files: the user's, below
+      files="",                    # source=files: "GLOB[:WEIGHT],..." of .jsonl/.jsonl.gz/.parquet, weights = token
+                                   # shares (k25jax/data/files.py; joint pre-training takes one GLOB)
+      eval_files="",               # source=files: held-out files ("GLOB,..."); '' = every eval_every-th document
+      text_field="text",           # source=files: the field (column) holding a record's text
       tokenizer="bytes",           # bytes | tiktoken | tokenizers | auto (a checkpoint folder)
       vocab_file="",               # a local tiktoken.model, tokenizer.json, or (auto) the folder holding one
       max_doc_chars=1000 if tiny else 8000,

@@ -7,7 +7,8 @@ or set JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID, or run under a 
 jax detects itself (SLURM, Open MPI, TPU pods) with --distributed.
 
 Exit status: 0 the run finished; 1 it diverged (one line names the last good checkpoint); 2 a
-bad flag or config field (one line, before anything is built); 143 (preemption.EXIT_PREEMPTED)
+bad flag or config field (one line, before anything is built) or a data file, record or glob
+that cannot be used (one line naming it: `k25jax.data.files.BadData`); 143 (preemption.EXIT_PREEMPTED)
 SIGTERM or SIGINT stopped it after saving a checkpoint: the same command resumes it.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from k25jax import stages, tpu_probe
+from k25jax.data import files
 from k25jax.train import config_check, config_utils, loop, preemption
 
 STAGES = tuple(sorted(m.name for m in pkgutil.iter_modules(stages.__path__)))
@@ -132,6 +134,8 @@ def main(argv):
     stage.run(config, _WORKDIR.value or os.path.join("runs", config.stage))
   except loop.Diverged as e:
     fail(str(e), 1)
+  except files.BadData as e:
+    fail(str(e), 2)
   except preemption.Preempted as e:       # the checkpoint is written: the Trainer waited for it on exit
     logging.warning("%s", e)
     sys.exit(preemption.EXIT_PREEMPTED)

@@ -1,8 +1,12 @@
-"""End-to-end pretrain runs: loss falls, logs and checkpoints appear, resume is exact, a corrupt
-latest checkpoint is quarantined and the run goes on from the previous one to finish, an
-unwritable workdir fails clearly, SIGTERM mid-step, mid-evaluation or mid-save saves and stops
-at the next step and the rerun ends bit-exact with the uninterrupted run."""
+"""End-to-end pretrain runs, fed from files (`data.source=files`: the standard library's
+documents written as a gzip JSONL and a Parquet file, mixed 3:1 by tokens): loss falls, logs
+and checkpoints appear, resume is exact (the files' mixture resumes from the checkpoint with
+the state), a corrupt latest checkpoint is quarantined and the run goes on from the previous
+one to finish, an unwritable workdir fails clearly, SIGTERM mid-step, mid-evaluation or
+mid-save saves and stops at the next step and the rerun ends bit-exact with the uninterrupted
+run."""
 import glob
+import gzip
 import json
 import logging
 import os
@@ -11,9 +15,12 @@ import signal
 
 import jax
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import shared_runs
 
-from k25jax.data import tokenizer
+from k25jax.data import sources, tokenizer
 from k25jax.model import transformer
 from k25jax.stages import pretrain
 from k25jax.train import checkpoint, config_utils, loop, optimizer, preemption, sharding, trainer as trainer_lib
@@ -23,8 +30,24 @@ from test_train_step import micro_config
 STEPS, EVERY = 60, 20
 
 
+def stdlib_corpus() -> str:
+  """`data.files` of the standard library's documents (`sources.python_stdlib`) written as a
+  user's files once a session: the first half as gzip JSONL, the rest as Parquet; 3:1 by tokens."""
+  root = os.path.join(shared_runs.shared_dir(), "e2e_corpus")
+  if not os.path.isdir(root):
+    docs = sources.python_stdlib(1000)
+    staging = f"{root}.tmp{os.getpid()}"
+    os.makedirs(staging)
+    with gzip.open(os.path.join(staging, "code.jsonl.gz"), "wt", encoding="utf-8") as f:
+      f.writelines(json.dumps({"text": d}) + "\n" for d in docs[:len(docs) // 2])
+    pq.write_table(pa.table({"text": docs[len(docs) // 2:]}), os.path.join(staging, "more.parquet"))
+    os.replace(staging, root)
+  return f"{root}/code.jsonl.gz:3,{root}/more.parquet:1"
+
+
 def config_for_e2e():
   config = micro_config()
+  config.data.update(source="files", files=stdlib_corpus())
   config.train.update(steps=STEPS, batch=8, seq_len=32, log_every=10, eval_every=30, eval_batches=2,
                       checkpoint_every=EVERY, keep_checkpoints=5)
   config.optimizer.update(warmup_steps=5, decay_steps=20)

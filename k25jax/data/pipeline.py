@@ -56,20 +56,33 @@ def packed_features(row: dict) -> dict:
   }
 
 
-def lm_dataset(docs: list[str], tokenizer: Tokenizer, *, seq_len: int, batch: int, seed: int,
-               max_doc_tokens: int, shuffle: bool = True, shard_index: int = 0,
-               shard_count: int = 1) -> grain.IterDataset:
-  """Endless packed batches ([batch, seq_len] numpy features) over `docs`, reshuffled each epoch."""
+def chunks(docs: list[str], tokenizer: Tokenizer, *, seq_len: int, seed: int, max_doc_tokens: int,
+           shuffle: bool = True, shard_index: int = 0, shard_count: int = 1) -> grain.IterDataset:
+  """Endless (inputs, targets) chunks of this process's slice of `docs`, tokenized, in an
+  order reshuffled each epoch (or in order)."""
   ds = grain.MapDataset.source(docs)[shard_index::shard_count]
   if shuffle:
     ds = ds.shuffle(seed=seed)
   ds = ds.repeat(None).map(tokenize_fn(tokenizer)).to_iter_dataset()
-  ds = grain.experimental.FlatMapIterDataset(
-      ds, Chunk(seq_len=seq_len, max_fan_out=max_doc_tokens // seq_len + 2))
+  return grain.experimental.FlatMapIterDataset(ds, Chunk(seq_len=seq_len, max_fan_out=max_doc_tokens // seq_len + 2))
+
+
+def packed(chunk_stream: grain.IterDataset, *, seq_len: int, batch: int, seed: int,
+           shuffle: bool = True) -> grain.IterDataset:
+  """Chunks first-fit packed into [batch, seq_len] rows of the model's features."""
   ds = grain.experimental.FirstFitPackIterDataset(
-      ds, length_struct={"inputs": seq_len, "targets": seq_len}, num_packing_bins=batch,
+      chunk_stream, length_struct={"inputs": seq_len, "targets": seq_len}, num_packing_bins=batch,
       seed=seed, shuffle_bins=shuffle)
   return ds.map(packed_features).batch(batch, drop_remainder=True)
+
+
+def lm_dataset(docs: list[str], tokenizer: Tokenizer, *, seq_len: int, batch: int, seed: int,
+               max_doc_tokens: int, shuffle: bool = True, shard_index: int = 0,
+               shard_count: int = 1) -> grain.IterDataset:
+  """Endless packed batches ([batch, seq_len] numpy features) over `docs`, reshuffled each epoch."""
+  stream = chunks(docs, tokenizer, seq_len=seq_len, seed=seed, max_doc_tokens=max_doc_tokens, shuffle=shuffle,
+                  shard_index=shard_index, shard_count=shard_count)
+  return packed(stream, seq_len=seq_len, batch=batch, seed=seed, shuffle=shuffle)
 
 
 def take(dataset: grain.IterDataset, n: int) -> list[dict]:

@@ -4,6 +4,8 @@
 k25jax.data.visual_synthetic, 1000 documents of 8 lines, from a seed of their own), for a language model that
 already speaks the captions' language when the ViT stage aligns images to it.
 
+`files` reads the user's JSONL, gzip JSONL and Parquet files (`k25jax/data/files.py`).
+
 `python_stdlib` reads the top-level modules of the running interpreter's standard
 library (about 170 files, ~4.7 MB of Python source and docstrings), in sorted
 order, and cuts them into documents of whole paragraphs (blank-line separated).
@@ -14,9 +16,9 @@ import glob
 import os
 import sysconfig
 
-from k25jax.data import visual_synthetic
+from k25jax.data import files, visual_synthetic
 
-SOURCES = ("python_stdlib", "visual_captions")
+SOURCES = ("python_stdlib", "visual_captions", "files")
 
 
 def paragraphs_to_documents(text: str, max_chars: int) -> list[str]:
@@ -56,6 +58,23 @@ def split(docs: list[str], eval_every: int) -> tuple[list[str], list[str]]:
   train = [d for i, d in enumerate(docs) if i % eval_every]
   held_out = [d for i, d in enumerate(docs) if not i % eval_every]
   return train, held_out
+
+
+def check(data) -> None:
+  """One-line errors of the data section's source fields, before anything is read."""
+  if data.source not in SOURCES:
+    raise ValueError(f"config: data.source={data.source!r}: must be one of {SOURCES}")
+  if data.source == "files":
+    files.parse(data.files)
+    if data.eval_files:
+      files.parse(data.eval_files, "data.eval_files", weights=False)
+
+
+def text_documents(data) -> tuple[list[str], list[str]]:
+  """(training, held-out) documents of the data section's one text source."""
+  if data.source == "files":
+    return files.single_source(data)
+  return split(load(data.source, data.max_doc_chars), data.eval_every)
 
 
 def load(name: str, max_chars: int) -> list[str]:

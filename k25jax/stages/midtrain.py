@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from k25jax.data import tokenizer
+from k25jax.data import sources, tokenizer
 from k25jax.model.config import K25Config
 from k25jax.train import config_utils, joint, trainer as trainer_lib
 
@@ -41,6 +41,7 @@ def check(config: ml_collections.ConfigDict) -> None:
   """The stage's config check (before anything is built): the schedule fits the run, and the
   rows fit the YaRN context."""
   trainer_lib.check(config)
+  sources.check(config.data)
   if config.train.seq_len > max_positions(config.long_context):
     raise ValueError(f"config: train.seq_len={config.train.seq_len} exceeds the YaRN context "
                      f"long_context.yarn_factor x original_context = {max_positions(config.long_context)}")

@@ -15,20 +15,25 @@ import jax
 import ml_collections
 from absl import logging
 
-from k25jax.data import pipeline, sources, tokenizer
+from k25jax.data import files, pipeline, sources, tokenizer
 from k25jax.model import transformer
 from k25jax.train import config_utils, joint, loop, objective, optimizer, sharding, trainer as trainer_lib
 
 
 def datasets(config: ml_collections.ConfigDict, tok):
-  """(train iterator of this process's rows, fixed list of eval batches)."""
-  train_docs, eval_docs = sources.split(sources.load(config.data.source, config.data.max_doc_chars),
-                                        config.data.eval_every)
+  """(train iterator of this process's rows, fixed list of eval batches); with
+  `data.source=files`, the token-weighted mixture of the files' sources (`data/files.py`)."""
   n_proc = jax.process_count()
   kw = dict(seq_len=config.train.seq_len, batch=config.train.batch // n_proc, seed=config.train.seed,
-            max_doc_tokens=4 * config.data.max_doc_chars + 2, shard_index=jax.process_index(),
-            shard_count=n_proc)
-  train = iter(pipeline.lm_dataset(train_docs, tok, **kw))
+            shard_index=jax.process_index(), shard_count=n_proc)
+  if config.data.source == "files":
+    mixed, eval_docs = files.load(config.data)
+    kw["max_doc_tokens"] = files.max_doc_tokens([d for _, docs in mixed for d in docs] + eval_docs)
+    train = iter(files.mixture(mixed, tok, **kw))
+  else:
+    train_docs, eval_docs = sources.text_documents(config.data)
+    kw["max_doc_tokens"] = 4 * config.data.max_doc_chars + 2
+    train = iter(pipeline.lm_dataset(train_docs, tok, **kw))
   evals = pipeline.take(pipeline.lm_dataset(eval_docs, tok, shuffle=False, **kw), config.train.eval_batches)
   return train, evals
 
@@ -40,8 +45,10 @@ def make_step(config: ml_collections.ConfigDict, model: transformer.Transformer,
 
 
 def check(config: ml_collections.ConfigDict) -> None:
-  """The stage's config check (before anything is built): the schedule fits the run."""
+  """The stage's config check (before anything is built): the schedule fits the run, the
+  data source exists."""
   trainer_lib.check(config)
+  sources.check(config.data)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str):

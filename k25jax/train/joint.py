@@ -29,8 +29,7 @@ def schedule(config: ml_collections.ConfigDict) -> mixture.VisionSchedule:
 def datasets(config: ml_collections.ConfigDict, tok, shards: int = 1):
   """(train mixture, held-out text batches, held-out vision batches), the rows in `shards`
   media shards."""
-  train_docs, eval_docs = sources.split(sources.load(config.data.source, config.data.max_doc_chars),
-                                        config.data.eval_every)
+  train_docs, eval_docs = sources.text_documents(config.data)
   kw = dict(tok=tok, tasks=config.data.vision_tasks, batch=config.train.batch, seq_len=config.train.seq_len,
             total_steps=config.train.steps, max_patches=config.data.max_patches, shards=shards)
   train = mixture.mixture(docs=train_docs, schedule=schedule(config), seed=config.train.seed, **kw)

@@ -1,0 +1,189 @@
+"""Pre-training text from the user's files: `data.source=files`.
+
+    data.files = "GLOB[:WEIGHT],GLOB[:WEIGHT],..."
+
+Each entry is one source: the files its glob matches (sorted; `~` and `**` expanded), read
+by extension — `.jsonl` and `.jsonl.gz` (one JSON object a line) and `.parquet` (pyarrow) —
+with each record's `data.text_field` one document, in file and record order. WEIGHT (default
+1) is the source's share of the training tokens, the weights normalised over the entries.
+Every `data.eval_every`-th document of each source is held out, as for the built-in sources;
+with `data.eval_files` (globs, no weights) those files are the held-out set instead and the
+training files are not split.
+
+Shares by tokens. Each source is an endless stream of chunks (`pipeline.chunks`: its
+documents shuffled each epoch, tokenized, cut into (inputs, targets) pieces of at most
+seq_len targets); the mixture takes a chunk from source i in proportion
+
+    p_i ∝ w_i / c_i,     c_i = the mean number of targets in a chunk of source i
+
+(measured on up to `SAMPLE_DOCS` of its documents, evenly spaced), so the expected share of
+source i's tokens among the targets is p_i c_i / Σ_j p_j c_j = w_i. The mixed chunks are then
+packed as one stream (`pipeline.packed`). Grain's mixture keeps its position in the iterator
+state, so a resumed run continues it exactly.
+
+A file that cannot be read, a record that is not a JSON object, lacks the field or holds no
+text, and a glob that matches nothing raise `BadData`, one line naming the file (and line or
+row); `python -m k25jax.main` exits 2 on it.
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+
+import grain
+import numpy as np
+
+from k25jax.data import pipeline
+from k25jax.data.tokenizer import Tokenizer
+
+FORMATS = (".jsonl", ".jsonl.gz", ".parquet")
+SAMPLE_DOCS = 512
+
+
+class BadData(ValueError):
+  """A data file, record or spec that cannot be used; the message names it."""
+
+
+def parse(spec: str, field: str = "data.files", weights: bool = True) -> list[tuple[str, float]]:
+  """`"GLOB[:WEIGHT],..."` → [(glob, weight)] (weight 1 where none is given)."""
+  entries = [e.strip() for e in spec.split(",") if e.strip()]
+  if not entries:
+    raise BadData(f"{field}={spec!r}: give one or more GLOB[:WEIGHT] entries, comma-separated")
+  out = []
+  for entry in entries:
+    pattern, _, weight = entry.rpartition(":")
+    if not pattern or os.sep in weight or "*" in weight:   # no weight: the colon, if any, is the path's
+      out.append((entry, 1.0))
+      continue
+    if not weights:
+      raise BadData(f"{field}: {entry!r}: held-out files take no weight")
+    try:
+      value = float(weight)
+    except ValueError:
+      raise BadData(f"{field}: {entry!r}: the weight {weight!r} is not a number") from None
+    if not np.isfinite(value) or value <= 0:
+      raise BadData(f"{field}: {entry!r}: the weight must be a finite number > 0")
+    out.append((pattern, value))
+  return out
+
+
+def matching(pattern: str, field: str = "data.files") -> list[str]:
+  """The files `pattern` matches, sorted; BadData if none or one of an unknown format."""
+  paths = sorted(p for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
+  if not paths:
+    raise BadData(f"{field}: {pattern!r} matches no file")
+  for path in paths:
+    if not path.endswith(FORMATS):
+      raise BadData(f"{path}: unknown format (from {field}={pattern!r}); data files are {', '.join(FORMATS)}")
+  return paths
+
+
+def _text(path: str, where: str, record, field: str) -> str:
+  if not isinstance(record, dict):
+    raise BadData(f"{path}:{where}: not a JSON object")
+  if field not in record:
+    raise BadData(f"{path}:{where}: no {field!r} field (data.text_field); it has {sorted(record)[:8]}")
+  text = record[field]
+  if not isinstance(text, str):
+    raise BadData(f"{path}:{where}: {field!r} is {type(text).__name__}, not text")
+  return text
+
+
+def _jsonl(path: str, field: str) -> list[str]:
+  opener = gzip.open if path.endswith(".gz") else open
+  docs = []
+  try:
+    with opener(path, "rt", encoding="utf-8") as f:
+      for number, line in enumerate(f, start=1):
+        if not line.strip():
+          continue
+        try:
+          record = json.loads(line)
+        except json.JSONDecodeError as e:
+          raise BadData(f"{path}:{number}: not JSON ({e.msg} at column {e.colno})") from None
+        docs.append(_text(path, str(number), record, field))
+  except (OSError, EOFError, UnicodeDecodeError) as e:
+    raise BadData(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+  return docs
+
+
+def _parquet(path: str, field: str) -> list[str]:
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  try:
+    schema = pq.read_schema(path)
+    if field not in schema.names:
+      raise BadData(f"{path}: no {field!r} column (data.text_field); it has {schema.names[:8]}")
+    column = pq.read_table(path, columns=[field]).column(field)
+  except (OSError, pa.ArrowException) as e:
+    raise BadData(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+  docs = column.to_pylist()
+  for row, text in enumerate(docs):
+    if not isinstance(text, str):
+      raise BadData(f"{path}:row {row}: {field!r} is {type(text).__name__}, not text")
+  return docs
+
+
+def read(path: str, field: str) -> list[str]:
+  """The documents of one file (module docstring)."""
+  return _parquet(path, field) if path.endswith(".parquet") else _jsonl(path, field)
+
+
+def _documents(pattern: str, field: str, spec_field: str) -> list[str]:
+  docs = [d for path in matching(pattern, spec_field) for d in read(path, field)]
+  if not docs:
+    raise BadData(f"{spec_field}: {pattern!r} holds no document")
+  return docs
+
+
+def load(data) -> tuple[list[tuple[float, list[str]]], list[str]]:
+  """([(token share, training documents)] per entry of `data.files`, held-out documents)."""
+  entries = parse(data.files)
+  sources = [(w, _documents(pattern, data.text_field, "data.files")) for pattern, w in entries]
+  if data.eval_files:
+    held_out = [d for pattern, _ in parse(data.eval_files, "data.eval_files", weights=False)
+                for d in _documents(pattern, data.text_field, "data.eval_files")]
+  else:
+    held_out = [d for _, docs in sources for k, d in enumerate(docs) if not k % data.eval_every]
+    sources = [(w, [d for k, d in enumerate(docs) if k % data.eval_every]) for w, docs in sources]
+  for (pattern, _), (_, train) in zip(entries, sources):
+    if not train:
+      raise BadData(f"data.files: {pattern!r}: no training document is left after holding out every "
+                    f"data.eval_every={data.eval_every}-th")
+  total = sum(w for w, _ in sources)
+  return [(w / total, docs) for w, docs in sources], held_out
+
+
+def single_source(data) -> tuple[list[str], list[str]]:
+  """(training, held-out) documents of a `data.files` with one entry: the stages whose text
+  goes into a vision mixture (joint pre-training, mid-training) take one text source."""
+  if len(parse(data.files)) > 1:
+    raise BadData(f"data.files={data.files!r}: this stage mixes its text with images and takes one text source "
+                  "(one GLOB, no weight); token-weighted mixtures of files are text pre-training's")
+  [(_, train)], held_out = load(data)
+  return train, held_out
+
+
+def max_doc_tokens(docs: list[str]) -> int:
+  """An upper bound on a document's tokens: 4 bytes a character, BOS and EOS."""
+  return 4 * max(len(d) for d in docs) + 2
+
+
+def targets_per_chunk(docs: list[str], tok: Tokenizer, seq_len: int) -> float:
+  """c: the mean number of targets in a chunk (module docstring), over up to SAMPLE_DOCS
+  evenly spaced documents."""
+  picks = np.unique(np.linspace(0, len(docs) - 1, min(len(docs), SAMPLE_DOCS)).astype(int))
+  targets = np.array([len(tok.encode(docs[i])) + 1 for i in picks])     # [BOS] + ids + [EOS]: n + 1 targets
+  return float(targets.sum() / np.ceil(targets / seq_len).sum())
+
+
+def mixture(sources: list[tuple[float, list[str]]], tok: Tokenizer, *, seq_len: int, batch: int, seed: int,
+            max_doc_tokens: int, shard_index: int = 0, shard_count: int = 1) -> grain.IterDataset:
+  """Endless packed batches drawing each source's tokens in its share (module docstring)."""
+  streams = [pipeline.chunks(docs, tok, seq_len=seq_len, seed=seed + i, max_doc_tokens=max_doc_tokens,
+                             shard_index=shard_index, shard_count=shard_count) for i, (_, docs) in enumerate(sources)]
+  proportions = [w / targets_per_chunk(docs, tok, seq_len) for w, docs in sources]
+  stream = streams[0] if len(streams) == 1 else grain.IterDataset.mix(streams, proportions)
+  return pipeline.packed(stream, seq_len=seq_len, batch=batch, seed=seed)

@@ -1,0 +1,128 @@
+"""data.source=files: JSONL, gzip JSONL and Parquet read into documents (Parquet written by
+pyarrow, the library that owns the format), a token-weighted mixture of two sources, and every
+bad input as one line naming the file. The end-to-end pre-training runs of test_train_e2e.py
+read their text from files (a gzip JSONL and a Parquet file, 3:1): loss falls, resume and
+SIGTERM are bit-exact there."""
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import ml_collections
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from cpu_env import subprocess_env
+
+from k25jax.data import files, sources, tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOK = tokenizer.ByteTokenizer()
+
+
+def _jsonl(path, records, gz=False) -> str:
+  lines = "".join(json.dumps(r) + "\n" for r in records)
+  if gz:
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+      f.write(lines)
+  else:
+    path.write_text(lines, encoding="utf-8")
+  return str(path)
+
+
+def _parquet(path, columns: dict) -> str:
+  pq.write_table(pa.table(columns), str(path))
+  return str(path)
+
+
+def _data(spec: str, **kw) -> ml_collections.ConfigDict:
+  fields = dict(source="files", files=spec, eval_files="", text_field="text", eval_every=4, max_doc_chars=1000)
+  return ml_collections.ConfigDict({**fields, **kw})
+
+
+def test_each_format_reads_its_records_in_order_and_every_fourth_is_held_out(tmp_path):
+  docs = [f"document {i}: {'é' * i}" for i in range(8)]
+  _jsonl(tmp_path / "a.jsonl", [{"text": d, "id": i} for i, d in enumerate(docs)])
+  _jsonl(tmp_path / "b.jsonl.gz", [{"text": d.upper()} for d in docs], gz=True)
+  _parquet(tmp_path / "c.parquet", {"body": docs, "n": list(range(8))})
+  assert files.read(str(tmp_path / "a.jsonl"), "text") == docs
+  assert files.read(str(tmp_path / "b.jsonl.gz"), "text") == [d.upper() for d in docs]
+  assert files.read(str(tmp_path / "c.parquet"), "body") == docs
+  mixed, held_out = files.load(_data(f"{tmp_path}/*.jsonl*:3"))
+  both = docs + [d.upper() for d in docs]             # a.jsonl, then b.jsonl.gz: the glob's files sorted
+  assert held_out == both[::4] and mixed == [(1.0, [d for k, d in enumerate(both) if k % 4])]
+  mixed, held_out = files.load(_data(f"{tmp_path}/a.jsonl:3,{tmp_path}/b.jsonl.gz", eval_files=f"{tmp_path}/*.gz"))
+  assert [w for w, _ in mixed] == [0.75, 0.25] and mixed[0][1] == docs and held_out == [d.upper() for d in docs]
+
+
+def test_spec_parses_globs_and_token_shares():
+  assert files.parse("a/*.jsonl:3, b.parquet") == [("a/*.jsonl", 3.0), ("b.parquet", 1.0)]
+  assert files.parse("/data/x-*.jsonl.gz") == [("/data/x-*.jsonl.gz", 1.0)]
+  for spec, message in [("", "give one or more GLOB"), ("a.jsonl:heavy", "the weight 'heavy' is not a number"),
+                        ("a.jsonl:0", "a finite number > 0"), ("a.jsonl:nan", "a finite number > 0")]:
+    with pytest.raises(files.BadData, match=message):
+      files.parse(spec)
+  with pytest.raises(files.BadData, match="held-out files take no weight"):
+    files.parse("a.jsonl:2", "data.eval_files", weights=False)
+  with pytest.raises(ValueError, match="data.source='books': must be one of"):
+    sources.check(ml_collections.ConfigDict(dict(source="books")))
+
+
+def test_every_bad_input_is_one_line_naming_the_file(tmp_path):
+  good = _jsonl(tmp_path / "good.jsonl", [{"text": "fine"}] * 4)
+  bad_json = tmp_path / "bad.jsonl"
+  bad_json.write_text('{"text": "fine"}\n{"text": "cut\n')
+  truncated = tmp_path / "cut.jsonl.gz"
+  _jsonl(truncated, [{"text": "x" * 5000}] * 20, gz=True)
+  truncated.write_bytes(truncated.read_bytes()[:200])
+  cases = [
+      (f"{tmp_path}/none-*.jsonl", "matches no file"),
+      (str(tmp_path / "missing.jsonl"), "matches no file"),
+      (str(bad_json), f"{bad_json}:2: not JSON"),
+      (_jsonl(tmp_path / "field.jsonl", [{"text": "a"}, {"body": "b"}]), "field.jsonl:2: no 'text' field"),
+      (_jsonl(tmp_path / "type.jsonl", [{"text": 3}]), "type.jsonl:1: 'text' is int, not text"),
+      (_jsonl(tmp_path / "list.jsonl", [["text"]]), "list.jsonl:1: not a JSON object"),
+      (str(truncated), "cut.jsonl.gz: unreadable"),
+      (_parquet(tmp_path / "column.parquet", {"body": ["a"]}), "column.parquet: no 'text' column"),
+      (_parquet(tmp_path / "null.parquet", {"text": ["a", None]}), "null.parquet:row 1: 'text' is NoneType"),
+      (_jsonl(tmp_path / "empty.jsonl", []), "holds no document"),
+  ]
+  (tmp_path / "notes.md").write_text("text")
+  cases.append((str(tmp_path / "notes.md"), "notes.md: unknown format"))
+  for spec, message in cases:
+    with pytest.raises(files.BadData) as error:
+      files.load(_data(spec))
+    assert message in str(error.value) and "\n" not in str(error.value), (spec, str(error.value))
+  with pytest.raises(files.BadData, match="takes one text source"):
+    files.single_source(_data(f"{good}:3,{good}"))
+
+
+def _two_sources(tmp_path) -> tuple[str, str]:
+  """Source A: short documents of the letters a-m; source B: documents 8x as long of n-z (so a
+  mixture by documents would give B 8x A's tokens for equal weights)."""
+  rng = np.random.default_rng(0)
+  text = lambda letters, n: "".join(rng.choice(list(letters), n))
+  a = _jsonl(tmp_path / "a.jsonl", [{"text": text("abcdefghijklm", int(rng.integers(10, 30)))} for _ in range(200)])
+  b = _parquet(tmp_path / "b.parquet", {"text": [text("nopqrstuvwxyz", int(rng.integers(80, 240))) for _ in range(200)]})
+  return a, b
+
+
+def test_the_mixture_draws_each_sources_tokens_in_its_weight(tmp_path):
+  a, b = _two_sources(tmp_path)
+  mixed, _ = files.load(_data(f"{a}:3,{b}:1"))
+  batches = iter(files.mixture(mixed, TOK, seq_len=64, batch=8, seed=0, max_doc_tokens=1000))
+  targets = np.concatenate([next(batches)["targets"].ravel() for _ in range(300)])
+  from_a = np.isin(targets, [TOK.encode(c)[0] for c in "abcdefghijklm"]).sum()
+  from_b = np.isin(targets, [TOK.encode(c)[0] for c in "nopqrstuvwxyz"]).sum()
+  assert abs(from_a / (from_a + from_b) - 0.75) < 0.02, from_a / (from_a + from_b)
+
+
+def test_main_stops_on_a_bad_record_in_one_line_with_status_2(tmp_path):
+  bad = _jsonl(tmp_path / "corpus.jsonl", [{"text": "fine"}] * 9 + [{"title": "no text"}])
+  result = subprocess.run([sys.executable, "-m", "k25jax.main", "--config=configs/pretrain.py", f"--workdir={tmp_path}",
+                           "--config.data.source=files", f"--config.data.files={bad}"],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert result.stderr.strip().splitlines()[-1] == f"error: {bad}:10: no 'text' field (data.text_field); it has ['title']"
