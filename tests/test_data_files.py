@@ -6,6 +6,7 @@ SIGTERM are bit-exact there."""
 import gzip
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -15,8 +16,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from cpu_env import subprocess_env
+from test_train_step import micro_config
 
-from k25jax.data import files, sources, tokenizer
+from k25jax.data import files, prepare, shards, sources, tokenizer
+from k25jax.stages import pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOK = tokenizer.ByteTokenizer()
@@ -126,3 +129,90 @@ def test_main_stops_on_a_bad_record_in_one_line_with_status_2(tmp_path):
                           cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
   assert result.returncode == 2, result.stderr[-2000:]
   assert result.stderr.strip().splitlines()[-1] == f"error: {bad}:10: no 'text' field (data.text_field); it has ['title']"
+
+
+# ------------------------------------------------------------------------------ token shards
+def _prepared(tmp_path, name, inputs, **kw):
+  out = str(tmp_path / name)
+  prepare.prepare(inputs, out, progress=False, **kw)
+  return out
+
+
+def _shard_bytes(folder) -> dict[str, bytes]:
+  return {name: (pathlib.Path(folder) / name).read_bytes() for name in sorted(os.listdir(folder))
+          if name.endswith(".array_record")}
+
+
+def test_prepare_writes_the_documents_ids_and_a_resumed_prepare_writes_the_same_bytes(tmp_path, monkeypatch):
+  a, b = _two_sources(tmp_path)
+  inputs = f"{a},{b}"
+  whole = _prepared(tmp_path, "whole", inputs, docs_per_shard=64)
+  manifest = shards.read_manifest(whole)
+  texts = files.read(a, "text") + files.read(b, "text")
+  assert manifest["documents"] == len(texts) == 400 and len(manifest["shards"]) == 7
+  assert manifest["tokens"] == sum(len(TOK.encode(t)) for t in texts)
+  _, docs = shards.open_folder(whole, TOK)
+  assert [list(docs[k]) for k in (0, 63, 64, 399)] == [TOK.encode(texts[k]) for k in (0, 63, 64, 399)]
+
+  write, calls = shards.write_shard, []
+
+  def interrupted(*args):
+    calls.append(1)
+    if len(calls) == 4:
+      raise KeyboardInterrupt
+    return write(*args)
+
+  monkeypatch.setattr(shards, "write_shard", interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    _prepared(tmp_path, "resumed", inputs, docs_per_shard=64)
+  monkeypatch.undo()
+  assert len(_shard_bytes(tmp_path / "resumed")) == 3 and not shards.is_prepared(str(tmp_path / "resumed"))
+  resumed = _prepared(tmp_path, "resumed", inputs, docs_per_shard=64)
+  assert _shard_bytes(resumed) == _shard_bytes(whole) and shards.read_manifest(resumed) == manifest
+  stamp = os.path.getmtime(os.path.join(resumed, shards.MANIFEST))
+  assert prepare.prepare(inputs, resumed, docs_per_shard=64, progress=False) == manifest      # finished: nothing to do
+  assert os.path.getmtime(os.path.join(resumed, shards.MANIFEST)) == stamp
+  assert _shard_bytes(_prepared(tmp_path, "two_workers", inputs, docs_per_shard=64, workers=2)) == _shard_bytes(whole)
+  with pytest.raises(files.BadData, match="an interrupted prepare of other inputs"):
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / prepare.PLAN).write_text("{}")
+    prepare.prepare(a, str(tmp_path / "other"), progress=False)
+  with pytest.raises(files.BadData, match="holds shards of other inputs"):
+    prepare.prepare(a, resumed, docs_per_shard=64, progress=False)
+
+
+class _OtherTokenizer(tokenizer.ByteTokenizer):
+  offset = 4
+
+
+def test_runs_read_prepared_shards_in_their_token_share_and_refuse_another_tokenizer(tmp_path):
+  a, b = _two_sources(tmp_path)
+  folder = _prepared(tmp_path, "a_shards", a, docs_per_shard=50)
+  mixed, held_out = files.load(_data(f"{folder}:3,{b}:1"), TOK)
+  assert len(mixed[0][1]) == 150 and len(held_out) == 100      # every 4th of each source's 200 held out
+  assert [list(mixed[0][1][k]) for k in (0, 2, 3)] == [TOK.encode(files.read(a, "text")[k]) for k in (1, 3, 5)]
+  batches = iter(files.mixture(mixed, TOK, seq_len=64, batch=8, seed=0, max_doc_tokens=1000))
+  targets = np.concatenate([next(batches)["targets"].ravel() for _ in range(300)])
+  from_a = np.isin(targets, [TOK.encode(c)[0] for c in "abcdefghijklm"]).sum()
+  from_b = np.isin(targets, [TOK.encode(c)[0] for c in "nopqrstuvwxyz"]).sum()
+  assert abs(from_a / (from_a + from_b) - 0.75) < 0.02, from_a / (from_a + from_b)
+  # the stage's iterator over them resumes from its saved state (what a checkpoint holds)
+  config = micro_config()
+  config.data.update(source="files", files=f"{folder}:3,{b}:1", eval_every=4)
+  config.train.update(seq_len=64, eval_batches=1)
+  train, evals = pretrain.datasets(config, TOK)
+  assert evals[0]["inputs"].shape == next(train)["inputs"].shape == (8, 64)
+  state = train.get_state()
+  ahead = [next(train)["inputs"] for _ in range(3)]
+  again, _ = pretrain.datasets(config, TOK)
+  again.set_state(state)
+  np.testing.assert_array_equal([next(again)["inputs"] for _ in range(3)], ahead)
+  with pytest.raises(files.BadData, match="tokenized by another tokenizer"):
+    files.load(_data(folder), _OtherTokenizer())
+  with pytest.raises(files.BadData, match="holds token shards, which feed text pre-training"):
+    files.single_source(_data(folder))
+
+
+def test_prepare_command_fails_in_one_line(tmp_path, capsys):
+  assert prepare.main([f"--input={tmp_path}/none*.jsonl", f"--out={tmp_path}/out"]) == 2
+  assert capsys.readouterr().err == f"error: --input: '{tmp_path}/none*.jsonl' matches no file\n"

@@ -4,7 +4,9 @@
 
 Each entry is one source: the files its glob matches (sorted; `~` and `**` expanded), read
 by extension — `.jsonl` and `.jsonl.gz` (one JSON object a line) and `.parquet` (pyarrow) —
-with each record's `data.text_field` one document, in file and record order. WEIGHT (default
+with each record's `data.text_field` one document, in file and record order; or a folder of
+token shares made by `python -m k25jax.data.prepare` (`k25jax/data/shards.py`: read with
+grain's random access, never into memory whole; its tokenizer must be the run's). WEIGHT (default
 1) is the source's share of the training tokens, the weights normalised over the entries.
 Every `data.eval_every`-th document of each source is held out, as for the built-in sources;
 with `data.eval_files` (globs, no weights) those files are the held-out set instead and the
@@ -35,7 +37,7 @@ import os
 import grain
 import numpy as np
 
-from k25jax.data import pipeline
+from k25jax.data import pipeline, shards
 from k25jax.data.tokenizer import Tokenizer
 
 FORMATS = (".jsonl", ".jsonl.gz", ".parquet")
@@ -138,18 +140,52 @@ def _documents(pattern: str, field: str, spec_field: str) -> list[str]:
   return docs
 
 
-def load(data) -> tuple[list[tuple[float, list[str]]], list[str]]:
-  """([(token share, training documents)] per entry of `data.files`, held-out documents)."""
+def _shard_source(folder: str, tok: Tokenizer, field: str) -> grain.MapDataset:
+  try:
+    _, docs = shards.open_folder(folder, tok)
+  except (OSError, ValueError, KeyError) as e:
+    raise BadData(f"{field}: {folder}: {e}") from None
+  if not len(docs):
+    raise BadData(f"{field}: {folder!r} holds no document")
+  return docs
+
+
+def _source(pattern: str, data, tok: Tokenizer | None, field: str):
+  """An entry's documents: a list of texts (files), or a MapDataset of ids (a prepared folder)."""
+  folder = os.path.expanduser(pattern)
+  if shards.is_prepared(folder):
+    if tok is None:
+      raise BadData(f"{field}: {folder} holds token shards, which feed text pre-training; this stage reads "
+                    ".jsonl, .jsonl.gz or .parquet files")
+    return _shard_source(folder, tok, field)
+  return _documents(pattern, data.text_field, field)
+
+
+def _split(docs, every: int):
+  """(training, held-out) documents: every `every`-th held out."""
+  if isinstance(docs, list):
+    return [d for k, d in enumerate(docs) if k % every], docs[::every]
+  n = len(docs)
+  held_out = [docs[k] for k in range(0, n, every)]
+  if every == 1:
+    return grain.MapDataset.source([]), held_out
+  return grain.MapDataset.range(n - len(held_out)).map(lambda j: docs[j + j // (every - 1) + 1]), held_out
+
+
+def load(data, tok: Tokenizer | None = None) -> tuple[list[tuple[float, object]], list]:
+  """([(token share, training documents)] per entry of `data.files`, held-out documents);
+  `tok` opens prepared folders (None: files only)."""
   entries = parse(data.files)
-  sources = [(w, _documents(pattern, data.text_field, "data.files")) for pattern, w in entries]
+  sources = [(w, _source(pattern, data, tok, "data.files")) for pattern, w in entries]
   if data.eval_files:
     held_out = [d for pattern, _ in parse(data.eval_files, "data.eval_files", weights=False)
-                for d in _documents(pattern, data.text_field, "data.eval_files")]
+                for d in _source(pattern, data, tok, "data.eval_files")]
   else:
-    held_out = [d for _, docs in sources for k, d in enumerate(docs) if not k % data.eval_every]
-    sources = [(w, [d for k, d in enumerate(docs) if k % data.eval_every]) for w, docs in sources]
+    splits = [_split(docs, data.eval_every) for _, docs in sources]
+    held_out = [d for _, part in splits for d in part]
+    sources = [(w, train) for (w, _), (train, _) in zip(sources, splits)]
   for (pattern, _), (_, train) in zip(entries, sources):
-    if not train:
+    if not len(train):
       raise BadData(f"data.files: {pattern!r}: no training document is left after holding out every "
                     f"data.eval_every={data.eval_every}-th")
   total = sum(w for w, _ in sources)
@@ -166,16 +202,22 @@ def single_source(data) -> tuple[list[str], list[str]]:
   return train, held_out
 
 
-def max_doc_tokens(docs: list[str]) -> int:
-  """An upper bound on a document's tokens: 4 bytes a character, BOS and EOS."""
-  return 4 * max(len(d) for d in docs) + 2
+def max_doc_tokens(docs) -> int:
+  """`pipeline.Chunk`'s fan-out bound from the texts among `docs`: 4 bytes a character, BOS
+  and EOS (grain's iterator flat map does not enforce it, so documents of token shards, which
+  are not read up front, need none)."""
+  return 4 * max((len(d) for d in docs if isinstance(d, str)), default=0) + 2
 
 
-def targets_per_chunk(docs: list[str], tok: Tokenizer, seq_len: int) -> float:
+def _length(doc, tok: Tokenizer) -> int:
+  return len(tok.encode(doc)) if isinstance(doc, str) else len(doc)
+
+
+def targets_per_chunk(docs, tok: Tokenizer, seq_len: int) -> float:
   """c: the mean number of targets in a chunk (module docstring), over up to SAMPLE_DOCS
   evenly spaced documents."""
   picks = np.unique(np.linspace(0, len(docs) - 1, min(len(docs), SAMPLE_DOCS)).astype(int))
-  targets = np.array([len(tok.encode(docs[i])) + 1 for i in picks])     # [BOS] + ids + [EOS]: n + 1 targets
+  targets = np.array([_length(docs[int(i)], tok) + 1 for i in picks])     # [BOS] + ids + [EOS]: n + 1 targets
   return float(targets.sum() / np.ceil(targets / seq_len).sum())
 
 

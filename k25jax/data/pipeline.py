@@ -40,8 +40,10 @@ class Chunk(grain.experimental.FlatMapTransform):
 
 
 def tokenize_fn(tokenizer: Tokenizer):
-  def tokenize(text: str) -> np.ndarray:
-    return np.asarray([tokenizer.bos_id, *tokenizer.encode(text), tokenizer.eos_id], np.int32)
+  """document → [BOS] + ids + [EOS]; a document is text, or its ids already (token shards)."""
+  def tokenize(doc) -> np.ndarray:
+    ids = tokenizer.encode(doc) if isinstance(doc, str) else doc
+    return np.concatenate([[tokenizer.bos_id], ids, [tokenizer.eos_id]]).astype(np.int32)
   return tokenize
 
 
@@ -56,11 +58,11 @@ def packed_features(row: dict) -> dict:
   }
 
 
-def chunks(docs: list[str], tokenizer: Tokenizer, *, seq_len: int, seed: int, max_doc_tokens: int,
+def chunks(docs, tokenizer: Tokenizer, *, seq_len: int, seed: int, max_doc_tokens: int,
            shuffle: bool = True, shard_index: int = 0, shard_count: int = 1) -> grain.IterDataset:
-  """Endless (inputs, targets) chunks of this process's slice of `docs`, tokenized, in an
-  order reshuffled each epoch (or in order)."""
-  ds = grain.MapDataset.source(docs)[shard_index::shard_count]
+  """Endless (inputs, targets) chunks of this process's slice of `docs` (a list, or a grain
+  MapDataset, of texts or token ids), tokenized, in an order reshuffled each epoch (or in order)."""
+  ds = (docs if isinstance(docs, grain.MapDataset) else grain.MapDataset.source(docs))[shard_index::shard_count]
   if shuffle:
     ds = ds.shuffle(seed=seed)
   ds = ds.repeat(None).map(tokenize_fn(tokenizer)).to_iter_dataset()
@@ -76,7 +78,7 @@ def packed(chunk_stream: grain.IterDataset, *, seq_len: int, batch: int, seed: i
   return ds.map(packed_features).batch(batch, drop_remainder=True)
 
 
-def lm_dataset(docs: list[str], tokenizer: Tokenizer, *, seq_len: int, batch: int, seed: int,
+def lm_dataset(docs, tokenizer: Tokenizer, *, seq_len: int, batch: int, seed: int,
                max_doc_tokens: int, shuffle: bool = True, shard_index: int = 0,
                shard_count: int = 1) -> grain.IterDataset:
   """Endless packed batches ([batch, seq_len] numpy features) over `docs`, reshuffled each epoch."""

@@ -27,8 +27,9 @@ def datasets(config: ml_collections.ConfigDict, tok):
   kw = dict(seq_len=config.train.seq_len, batch=config.train.batch // n_proc, seed=config.train.seed,
             shard_index=jax.process_index(), shard_count=n_proc)
   if config.data.source == "files":
-    mixed, eval_docs = files.load(config.data)
-    kw["max_doc_tokens"] = files.max_doc_tokens([d for _, docs in mixed for d in docs] + eval_docs)
+    mixed, eval_docs = files.load(config.data, tok)
+    kw["max_doc_tokens"] = files.max_doc_tokens([d for _, docs in mixed if isinstance(docs, list) for d in docs]
+                                                + eval_docs)
     train = iter(files.mixture(mixed, tok, **kw))
   else:
     train_docs, eval_docs = sources.text_documents(config.data)
