@@ -2,8 +2,9 @@
 shards (grain random access, shuffled, chunked and packed: what `data.source=files` runs), in
 tokens/s on one core, against what one TPU v5p host of the k25 pod layout consumes.
 
-The corpus: reasoning-gym's `codeio.jsonl.gz` and `codeio-hq.jsonl.gz` (code samples the
-package ships, not written by this project), byte tokenizer. The k25 layout
+The corpus: reasoning-gym's `codeio.jsonl.gz` (3,002 code samples the package ships, not
+written by this project; its `codeio-hq.jsonl.gz` is one JSON array, not JSON lines, and the
+reader refuses it in one line), byte tokenizer. The k25 layout
 (`configs/pretrain.py:k25`, `experiments/results/aot_compile.json`): 512 v5p chips, 4 a host,
 global batch 1024 × 4096 tokens, 8.9e17 analytic flops a step, i.e. 1,741 TFLOP a chip. At
 the chip's peak (459 bf16 TFLOP/s, the fastest any step can be) a step takes 3.8 s and a host
@@ -36,7 +37,7 @@ SEQ_LEN, BATCH = 4096, 16
 def corpus() -> str:
   import reasoning_gym  # pylint: disable=import-outside-toplevel
   data = os.path.join(os.path.dirname(reasoning_gym.__file__), "data")
-  return f"{data}/codeio.jsonl.gz,{data}/codeio-hq.jsonl.gz"
+  return f"{data}/codeio.jsonl.gz"
 
 
 def read_rate(folder: str, batches: int) -> float:
@@ -66,7 +67,7 @@ def main():
       read_rates.append(read_rate(out, args.batches))
   step_s = K25_FLOPS_PER_CHIP / V5P_PEAK_BF16
   need = K25_HOST_TOKENS / step_s
-  result = {"corpus": "reasoning-gym codeio.jsonl.gz + codeio-hq.jsonl.gz (code_sample)",
+  result = {"corpus": "reasoning-gym codeio.jsonl.gz (code_sample)",
             "documents": manifest["documents"], "tokens": manifest["tokens"], "tokenizer": "bytes",
             "prepare_tokens_per_s": statistics.median(prepare_rates), "read_tokens_per_s": statistics.median(read_rates),
             "raw": {"prepare": prepare_rates, "read": read_rates}, "batch": [BATCH, SEQ_LEN],
