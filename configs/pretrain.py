@@ -51,6 +51,7 @@ def get_config(arg=None):
                                    # shares (k25jax/data/files.py; joint pre-training takes one GLOB)
       eval_files="",               # source=files: held-out files ("GLOB,..."); '' = every eval_every-th document
       text_field="text",           # source=files: the field (column) holding a record's text
+      on_bad_record="error",       # source=files: error (one line, exit 2) | skip (counted, reported once read)
       tokenizer="bytes",           # bytes | tiktoken | tokenizers | auto (a checkpoint folder)
       vocab_file="",               # a local tiktoken.model, tokenizer.json, or (auto) the folder holding one
       max_doc_chars=1000 if tiny else 8000,
@@ -62,6 +63,8 @@ def get_config(arg=None):
         vision_schedule="constant",          # constant | ramp (linear from 0 at the start to r at the end)
         vision_start=0.0,                    # fraction of the steps before vision starts (0: early fusion)
         vision_tasks=common.VISUAL_TASKS,
+        vision_source="synthetic",           # synthetic (vision_tasks) | files: image-text pairs (data/image_text.py)
+        vision_files="",                     # vision_source=files: "GLOB,..." of .jsonl {"image", "text"} lines
         max_patches=256,                     # the vision tower's patch budget per batch
         shard_media=False,                   # True: media split with the rows, one blob per data shard
         vision_eval_batches=2,               # held-out vision-only batches per evaluation

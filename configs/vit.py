@@ -23,6 +23,9 @@ def get_config(arg=None):
       tokenizer="bytes",                     # bytes | tiktoken | tokenizers | auto (with the media tokens)
       vocab_file="",
       tasks=common.VISUAL_TASKS,             # caption, count, read, chart, motion
+      vision_source="synthetic",             # synthetic (the tasks above) | files: the user's image-text pairs
+      vision_files="",                       # vision_source=files: "GLOB,..." of .jsonl {"image", "text"} lines
+      eval_every=50,                         # vision_source=files: every 50th pair is held out
       max_patches=768,                       # the vision tower's patch budget per batch
       shard_media=False,                     # True: media split with the rows, one blob per data shard
   ))

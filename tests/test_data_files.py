@@ -102,13 +102,37 @@ def test_every_bad_input_is_one_line_naming_the_file(tmp_path):
     files.single_source(_data(f"{good}:3,{good}"))
 
 
+def test_on_bad_record_skip_keeps_the_good_records_and_reports_the_bad_once(tmp_path, caplog):
+  mixed = tmp_path / "mixed.jsonl"
+  mixed.write_text('{"text": "one"}\n{"text": 2}\nnot json\n{"text": "four"}\n{"body": "five"}\n{"text": "six"}\n')
+  nulls = _parquet(tmp_path / "nulls.parquet", {"text": ["seven", None, "nine"]})
+  with caplog.at_level("WARNING"):
+    sources, held_out = files.load(_data(f"{mixed},{nulls}", on_bad_record="skip", eval_every=100))
+  assert sources == [(0.5, ["four", "six"]), (0.5, ["nine"])] and held_out == ["one", "seven"]
+  warnings = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+  assert len(warnings) == 1 and warnings[0].startswith("data.files: skipped 4 bad record(s)")
+  assert f"{mixed}:2: 'text' is int" in warnings[0] and f"{mixed}:3: not JSON" in warnings[0]
+  with pytest.raises(files.BadData, match="mixed.jsonl:2: 'text' is int"):
+    files.load(_data(str(mixed)))                                    # on_bad_record=error, the default
+  truncated = tmp_path / "cut.jsonl.gz"
+  _jsonl(truncated, [{"text": "x" * 5000}] * 20, gz=True)
+  truncated.write_bytes(truncated.read_bytes()[:200])
+  with pytest.raises(files.BadData, match="cut.jsonl.gz: unreadable"):     # a file, not a record: never skipped
+    files.load(_data(str(truncated), on_bad_record="skip"))
+  with pytest.raises(files.BadData, match="data.on_bad_record='drop': must be one of"):
+    files.load(_data(str(mixed), on_bad_record="drop"))
+  out = _prepared(tmp_path, "skipping", str(mixed), on_bad_record="skip")
+  assert shards.read_manifest(out)["documents"] == 3 and shards.read_manifest(out)["skipped_records"] == 3
+
+
 def _two_sources(tmp_path) -> tuple[str, str]:
   """Source A: short documents of the letters a-m; source B: documents 8x as long of n-z (so a
   mixture by documents would give B 8x A's tokens for equal weights)."""
   rng = np.random.default_rng(0)
   text = lambda letters, n: "".join(rng.choice(list(letters), n))
   a = _jsonl(tmp_path / "a.jsonl", [{"text": text("abcdefghijklm", int(rng.integers(10, 30)))} for _ in range(200)])
-  b = _parquet(tmp_path / "b.parquet", {"text": [text("nopqrstuvwxyz", int(rng.integers(80, 240))) for _ in range(200)]})
+  b = _parquet(tmp_path / "b.parquet",
+               {"text": [text("nopqrstuvwxyz", int(rng.integers(80, 240))) for _ in range(200)]})
   return a, b
 
 
@@ -128,7 +152,8 @@ def test_main_stops_on_a_bad_record_in_one_line_with_status_2(tmp_path):
                            "--config.data.source=files", f"--config.data.files={bad}"],
                           cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
   assert result.returncode == 2, result.stderr[-2000:]
-  assert result.stderr.strip().splitlines()[-1] == f"error: {bad}:10: no 'text' field (data.text_field); it has ['title']"
+  last_line = result.stderr.strip().splitlines()[-1]
+  assert last_line == f"error: {bad}:10: no 'text' field (data.text_field); it has ['title']"
 
 
 # ------------------------------------------------------------------------------ token shards

@@ -25,7 +25,9 @@ state, so a resumed run continues it exactly.
 
 A file that cannot be read, a record that is not a JSON object, lacks the field or holds no
 text, and a glob that matches nothing raise `BadData`, one line naming the file (and line or
-row); `python -m k25jax.main` exits 2 on it.
+row); `python -m k25jax.main` exits 2 on it. With `data.on_bad_record=skip` a bad *record* is
+skipped instead, and once the files are read one warning gives how many were skipped and the
+first three (a file that cannot be read, or a source left empty, still stops the run).
 """
 from __future__ import annotations
 
@@ -36,11 +38,13 @@ import os
 
 import grain
 import numpy as np
+from absl import logging
 
 from k25jax.data import pipeline, shards
 from k25jax.data.tokenizer import Tokenizer
 
 FORMATS = (".jsonl", ".jsonl.gz", ".parquet")
+ON_BAD_RECORD = ("error", "skip")
 SAMPLE_DOCS = 512
 
 
@@ -82,6 +86,26 @@ def matching(pattern: str, field: str = "data.files") -> list[str]:
   return paths
 
 
+class BadRecords:
+  """What a read does with a bad record (`data.on_bad_record`): raise its BadData ("error"), or
+  ("skip") count it, keep its message and go on; `report` logs them once the files are read."""
+
+  def __init__(self, policy: str = "error"):
+    if policy not in ON_BAD_RECORD:
+      raise BadData(f"config: data.on_bad_record={policy!r}: must be one of {ON_BAD_RECORD}")
+    self.skip, self.messages = policy == "skip", []
+
+  def found(self, message: str) -> None:
+    if not self.skip:
+      raise BadData(message)
+    self.messages.append(message)
+
+  def report(self, field: str) -> None:
+    if self.messages:
+      logging.warning("%s: skipped %d bad record(s) (data.on_bad_record=skip): %s%s", field, len(self.messages),
+                      "; ".join(self.messages[:3]), " ..." if len(self.messages) > 3 else "")
+
+
 def _text(path: str, where: str, record, field: str) -> str:
   if not isinstance(record, dict):
     raise BadData(f"{path}:{where}: not a JSON object")
@@ -93,7 +117,7 @@ def _text(path: str, where: str, record, field: str) -> str:
   return text
 
 
-def _jsonl(path: str, field: str) -> list[str]:
+def _jsonl(path: str, field: str, bad: BadRecords) -> list[str]:
   opener = gzip.open if path.endswith(".gz") else open
   docs = []
   try:
@@ -104,14 +128,18 @@ def _jsonl(path: str, field: str) -> list[str]:
         try:
           record = json.loads(line)
         except json.JSONDecodeError as e:
-          raise BadData(f"{path}:{number}: not JSON ({e.msg} at column {e.colno})") from None
-        docs.append(_text(path, str(number), record, field))
+          bad.found(f"{path}:{number}: not JSON ({e.msg} at column {e.colno})")
+          continue
+        try:
+          docs.append(_text(path, str(number), record, field))
+        except BadData as e:
+          bad.found(str(e))
   except (OSError, EOFError, UnicodeDecodeError) as e:
     raise BadData(f"{path}: unreadable ({type(e).__name__}: {e})") from None
   return docs
 
 
-def _parquet(path: str, field: str) -> list[str]:
+def _parquet(path: str, field: str, bad: BadRecords) -> list[str]:
   import pyarrow as pa
   import pyarrow.parquet as pq
   try:
@@ -121,20 +149,23 @@ def _parquet(path: str, field: str) -> list[str]:
     column = pq.read_table(path, columns=[field]).column(field)
   except (OSError, pa.ArrowException) as e:
     raise BadData(f"{path}: unreadable ({type(e).__name__}: {e})") from None
-  docs = column.to_pylist()
-  for row, text in enumerate(docs):
-    if not isinstance(text, str):
-      raise BadData(f"{path}:row {row}: {field!r} is {type(text).__name__}, not text")
+  docs = []
+  for row, text in enumerate(column.to_pylist()):
+    if isinstance(text, str):
+      docs.append(text)
+    else:
+      bad.found(f"{path}:row {row}: {field!r} is {type(text).__name__}, not text")
   return docs
 
 
-def read(path: str, field: str) -> list[str]:
-  """The documents of one file (module docstring)."""
-  return _parquet(path, field) if path.endswith(".parquet") else _jsonl(path, field)
+def read(path: str, field: str, bad: BadRecords | None = None) -> list[str]:
+  """The documents of one file (module docstring); bad records by `bad`'s policy (default: raise)."""
+  bad = BadRecords() if bad is None else bad
+  return _parquet(path, field, bad) if path.endswith(".parquet") else _jsonl(path, field, bad)
 
 
-def _documents(pattern: str, field: str, spec_field: str) -> list[str]:
-  docs = [d for path in matching(pattern, spec_field) for d in read(path, field)]
+def _documents(pattern: str, field: str, spec_field: str, bad: BadRecords) -> list[str]:
+  docs = [d for path in matching(pattern, spec_field) for d in read(path, field, bad)]
   if not docs:
     raise BadData(f"{spec_field}: {pattern!r} holds no document")
   return docs
@@ -150,7 +181,7 @@ def _shard_source(folder: str, tok: Tokenizer, field: str) -> grain.MapDataset:
   return docs
 
 
-def _source(pattern: str, data, tok: Tokenizer | None, field: str):
+def _source(pattern: str, data, tok: Tokenizer | None, field: str, bad: BadRecords):
   """An entry's documents: a list of texts (files), or a MapDataset of ids (a prepared folder)."""
   folder = os.path.expanduser(pattern)
   if shards.is_prepared(folder):
@@ -158,7 +189,7 @@ def _source(pattern: str, data, tok: Tokenizer | None, field: str):
       raise BadData(f"{field}: {folder} holds token shards, which feed text pre-training; this stage reads "
                     ".jsonl, .jsonl.gz or .parquet files")
     return _shard_source(folder, tok, field)
-  return _documents(pattern, data.text_field, field)
+  return _documents(pattern, data.text_field, field, bad)
 
 
 def _split(docs, every: int):
@@ -175,11 +206,11 @@ def _split(docs, every: int):
 def load(data, tok: Tokenizer | None = None) -> tuple[list[tuple[float, object]], list]:
   """([(token share, training documents)] per entry of `data.files`, held-out documents);
   `tok` opens prepared folders (None: files only)."""
-  entries = parse(data.files)
-  sources = [(w, _source(pattern, data, tok, "data.files")) for pattern, w in entries]
+  entries, bad = parse(data.files), BadRecords(data.get("on_bad_record", "error"))
+  sources = [(w, _source(pattern, data, tok, "data.files", bad)) for pattern, w in entries]
   if data.eval_files:
     held_out = [d for pattern, _ in parse(data.eval_files, "data.eval_files", weights=False)
-                for d in _source(pattern, data, tok, "data.eval_files")]
+                for d in _source(pattern, data, tok, "data.eval_files", bad)]
   else:
     splits = [_split(docs, data.eval_every) for _, docs in sources]
     held_out = [d for _, part in splits for d in part]
@@ -188,6 +219,7 @@ def load(data, tok: Tokenizer | None = None) -> tuple[list[tuple[float, object]]
     if not len(train):
       raise BadData(f"data.files: {pattern!r}: no training document is left after holding out every "
                     f"data.eval_every={data.eval_every}-th")
+  bad.report("data.files")
   total = sum(w for w, _ in sources)
   return [(w / total, docs) for w, docs in sources], held_out
 

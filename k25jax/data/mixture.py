@@ -248,12 +248,16 @@ def text_documents(docs: list[str], tok: Tokenizer, *, seed: int, shuffle: bool 
 
 def mixture(*, docs: list[str] | None, tok: Tokenizer, schedule: VisionSchedule, tasks, batch: int,
             seq_len: int, total_steps: int, seed: int, max_patches: int, shuffle: bool = True,
-            shards: int = 1) -> MixtureIterator:
-  """Synthetic vision samples (stream `seed`) mixed with `docs` by `schedule`, the rows in
+            shards: int = 1, vision_sample: Callable[[int], visual_synthetic.VisionSample] | None = None
+            ) -> MixtureIterator:
+  """Vision samples — synthetic ones of `tasks` (stream `seed`), or `vision_sample(i)` (e.g. the
+  user's image-text pairs, `image_text.sampler`) — mixed with `docs` by `schedule`, the rows in
   `shards` media shards."""
-  tasks = visual_synthetic.check_tasks(tasks)
+  if vision_sample is None:
+    tasks = visual_synthetic.check_tasks(tasks)
+    vision_sample = lambda i: visual_synthetic.sample(i, seed, tok, tasks)
   text = None if docs is None else text_documents(docs, tok, seed=seed, shuffle=shuffle)
-  return MixtureIterator(vision_sample=lambda i: visual_synthetic.sample(i, seed, tok, tasks), text=text,
+  return MixtureIterator(vision_sample=vision_sample, text=text,
                          schedule=schedule, batch=batch, seq_len=seq_len, total_steps=total_steps,
                          max_patches=max_patches, shards=shards)
 

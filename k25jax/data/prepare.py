@@ -2,7 +2,7 @@
 `data.source=files data.files=DIR`:
 
     python -m k25jax.data.prepare --input="corpus/*.jsonl.gz" --out=DIR --tokenizer=bytes|PATH \
-        [--text_field=text] [--workers=N] [--docs_per_shard=10000]
+        [--text_field=text] [--workers=N] [--docs_per_shard=10000] [--on_bad_record=error|skip]
 
 The documents of the input files (sorted by the glob, read as `data.files` reads them) go in
 order into shards of `docs_per_shard`: shard k holds documents k·n .. (k+1)·n − 1, so the
@@ -10,7 +10,8 @@ shards depend only on the inputs, the tokenizer and n. `--tokenizer` is `bytes` 
 tokenizer file or checkpoint folder (`data.tokenizer=auto`). Interrupted, it resumes after its
 last whole shard (`DIR/prepare.json` records what it was asked, and a resume with other
 inputs, tokenizer or n is refused); run again on a finished DIR it does nothing. A progress
-line gives documents/s and the ETA. `--workers` tokenizes in that many processes.
+line gives documents/s and the ETA. `--workers` tokenizes in that many processes. A bad record
+stops it in one line, or (`--on_bad_record=skip`) is skipped and counted as a run skips it.
 """
 from __future__ import annotations
 
@@ -55,9 +56,9 @@ def load_tokenizer(spec: str):
   return tokenizer.load("bytes") if spec == "bytes" else tokenizer.load("auto", spec)
 
 
-def _plan(paths: list[str], tok, text_field: str, docs_per_shard: int) -> dict:
+def _plan(paths: list[str], tok, text_field: str, docs_per_shard: int, on_bad_record: str) -> dict:
   return {"format": shards.FORMAT, "tokenizer": shards.fingerprint(tok), "text_field": text_field,
-          "docs_per_shard": docs_per_shard,
+          "docs_per_shard": docs_per_shard, "on_bad_record": on_bad_record,
           "sources": [{"path": os.path.abspath(p), "bytes": os.path.getsize(p)} for p in paths]}
 
 
@@ -70,18 +71,20 @@ def _progress(done: int, total: int, start: float, first: int) -> None:
 
 
 def prepare(pattern: str, out: str, tokenizer_spec: str = "bytes", text_field: str = "text", workers: int = 1,
-            docs_per_shard: int = 10_000, progress: bool = True) -> dict:
+            docs_per_shard: int = 10_000, progress: bool = True, on_bad_record: str = "error") -> dict:
   """Writes (or finishes) the shards of `pattern`'s files under `out`; returns the manifest."""
   if docs_per_shard < 1 or workers < 1:
     raise files.BadData(f"--docs_per_shard={docs_per_shard} and --workers={workers}: each must be >= 1")
+  bad = files.BadRecords(on_bad_record)
   tok = load_tokenizer(tokenizer_spec)
   paths = [p for entry, _ in files.parse(pattern, "--input", weights=False) for p in files.matching(entry, "--input")]
-  plan = _plan(paths, tok, text_field, docs_per_shard)
+  plan = _plan(paths, tok, text_field, docs_per_shard, on_bad_record)
   os.makedirs(out, exist_ok=True)
   if shards.is_prepared(out):
     manifest = shards.read_manifest(out)
     if {k: manifest.get(k) for k in plan} != plan:
-      raise files.BadData(f"{out} holds shards of other inputs, tokenizer or --docs_per_shard; prepare into a new --out")
+      raise files.BadData(f"{out} holds shards of other inputs, tokenizer or --docs_per_shard; "
+                          "prepare into a new --out")
     return manifest
   plan_path = os.path.join(out, PLAN)
   if os.path.exists(plan_path):
@@ -97,11 +100,13 @@ def prepare(pattern: str, out: str, tokenizer_spec: str = "bytes", text_field: s
     written += 1
   skip, total = written * docs_per_shard, sum(_count(p) for p in paths)
   counts = [shards.shard_counts(out, k) for k in range(written)]
-  texts = (d for p in paths for d in files.read(p, text_field))
+  texts = (d for p in paths for d in files.read(p, text_field, bad))
   pool = multiprocessing.get_context("spawn").Pool(workers, _set_tokenizer, (tokenizer_spec,)) if workers > 1 else None
   if pool is None:
     _set_tokenizer(tokenizer_spec)
-  encode = (lambda batch: pool.map(_encode, batch, chunksize=64)) if pool else (lambda batch: [_encode(t) for t in batch])
+    encode = lambda batch: [_encode(t) for t in batch]
+  else:
+    encode = lambda batch: pool.map(_encode, batch, chunksize=64)
   start, done, batch = time.perf_counter(), 0, []
   try:
     for text in texts:
@@ -122,8 +127,10 @@ def prepare(pattern: str, out: str, tokenizer_spec: str = "bytes", text_field: s
   if progress:
     _progress(done, total, start, skip)
     sys.stderr.write("\n")
+  bad.report("--input")
   manifest = {**plan, "documents": sum(c["documents"] for c in counts), "tokens": sum(c["tokens"] for c in counts),
-              "longest": max((c["longest"] for c in counts), default=0), "shards": counts}
+              "longest": max((c["longest"] for c in counts), default=0), "skipped_records": len(bad.messages),
+              "shards": counts}
   with open(os.path.join(out, shards.MANIFEST + ".tmp"), "w") as f:
     json.dump(manifest, f, indent=1)
   os.replace(os.path.join(out, shards.MANIFEST + ".tmp"), os.path.join(out, shards.MANIFEST))
@@ -138,9 +145,11 @@ def main(argv=None) -> int:
   parser.add_argument("--text_field", default="text")
   parser.add_argument("--workers", type=int, default=1)
   parser.add_argument("--docs_per_shard", type=int, default=10_000)
+  parser.add_argument("--on_bad_record", default="error", choices=files.ON_BAD_RECORD)
   args = parser.parse_args(argv)
   try:
-    manifest = prepare(args.input, args.out, args.tokenizer, args.text_field, args.workers, args.docs_per_shard)
+    manifest = prepare(args.input, args.out, args.tokenizer, args.text_field, args.workers, args.docs_per_shard,
+                       on_bad_record=args.on_bad_record)
   except (ValueError, FileNotFoundError) as e:
     sys.stderr.write(f"error: {e}\n")
     return 2

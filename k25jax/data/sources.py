@@ -16,7 +16,7 @@ import glob
 import os
 import sysconfig
 
-from k25jax.data import files, visual_synthetic
+from k25jax.data import files, image_text, visual_synthetic
 
 SOURCES = ("python_stdlib", "visual_captions", "files")
 
@@ -61,10 +61,13 @@ def split(docs: list[str], eval_every: int) -> tuple[list[str], list[str]]:
 
 
 def check(data) -> None:
-  """One-line errors of the data section's source fields, before anything is read."""
+  """One-line errors of the data section's source fields (text, and images where the stage
+  has them: `image_text.check`), before anything is read."""
+  image_text.check(data)
   if data.source not in SOURCES:
     raise ValueError(f"config: data.source={data.source!r}: must be one of {SOURCES}")
   if data.source == "files":
+    files.BadRecords(data.get("on_bad_record", "error"))
     files.parse(data.files)
     if data.eval_files:
       files.parse(data.eval_files, "data.eval_files", weights=False)

@@ -19,7 +19,7 @@ import ml_collections
 import optax
 from absl import logging
 
-from k25jax.data import mixture, tokenizer
+from k25jax.data import image_text, mixture, tokenizer
 from k25jax.model import k25
 from k25jax.train import config_utils, multimodal, objective, optimizer, sharding, trainer as trainer_lib
 
@@ -43,14 +43,17 @@ def datasets(config, tok, shards: int = 1):
   kw = dict(docs=None, tok=tok, schedule=mixture.VisionSchedule(1.0), tasks=config.data.tasks,
             batch=config.train.batch, seq_len=config.train.seq_len, total_steps=config.train.steps,
             max_patches=config.data.max_patches, shards=shards)
-  train = mixture.mixture(seed=config.train.seed, **kw)
-  held_out = mixture.mixture(seed=config.train.seed + 1, **kw)
+  train_pairs, held_out_pairs = image_text.vision_samples(config, tok, shards)
+  train = mixture.mixture(seed=config.train.seed, vision_sample=train_pairs, **kw)
+  held_out = mixture.mixture(seed=config.train.seed + 1, vision_sample=held_out_pairs, **kw)
   return train, [next(held_out) for _ in range(config.train.eval_batches)]
 
 
 def check(config) -> None:
-  """The stage's config check (before anything is built): the schedule and both phases fit the run."""
+  """The stage's config check (before anything is built): the schedule and both phases fit the
+  run, the image source exists."""
   trainer_lib.check(config)
+  image_text.check(config.data)
   if not 0 <= config.vit.projector_only_from <= config.train.steps:
     raise ValueError(f"config: vit.projector_only_from={config.vit.projector_only_from} must lie in "
                      f"[0, train.steps={config.train.steps}]")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ml_collections
 from absl import logging
 
-from k25jax.data import mixture, sources
+from k25jax.data import image_text, mixture, sources
 from k25jax.model import k25
 from k25jax.model.config import K25Config
 from k25jax.train import multimodal, objective, optimizer, sharding, trainer as trainer_lib
@@ -32,10 +32,13 @@ def datasets(config: ml_collections.ConfigDict, tok, shards: int = 1):
   train_docs, eval_docs = sources.text_documents(config.data)
   kw = dict(tok=tok, tasks=config.data.vision_tasks, batch=config.train.batch, seq_len=config.train.seq_len,
             total_steps=config.train.steps, max_patches=config.data.max_patches, shards=shards)
-  train = mixture.mixture(docs=train_docs, schedule=schedule(config), seed=config.train.seed, **kw)
+  train_pairs, held_out_pairs = image_text.vision_samples(config, tok, shards)
+  train = mixture.mixture(docs=train_docs, schedule=schedule(config), seed=config.train.seed,
+                          vision_sample=train_pairs, **kw)
   text = mixture.mixture(docs=eval_docs, schedule=mixture.VisionSchedule(0.0), seed=config.train.seed,
                          shuffle=False, **kw)
-  vision = mixture.mixture(docs=None, schedule=mixture.VisionSchedule(1.0), seed=config.train.seed + 1, **kw)
+  vision = mixture.mixture(docs=None, schedule=mixture.VisionSchedule(1.0), seed=config.train.seed + 1,
+                           vision_sample=held_out_pairs, **kw)
   return (train, [next(text) for _ in range(config.train.eval_batches)],
           [next(vision) for _ in range(config.data.vision_eval_batches)])
 
