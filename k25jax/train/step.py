@@ -56,9 +56,24 @@ def update_router_biases(params, expert_load: jax.Array, gamma: float, first_moe
   return params
 
 
-def all_finite(tree) -> jax.Array:
-  leaves = jax.tree.leaves(tree)
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+def all_finite(*trees_and_specs) -> jax.Array:
+  """True iff every element of every floating leaf of the trees is finite.
+
+  Each argument is (tree, its mesh PartitionSpecs). Leaves of one shape, dtype and spec are
+  checked together, ∧_leaf isfinite(leaf) elementwise and then one reduction, so a state
+  compiles to one reduction per distinct (shape, dtype, spec) and needs no resharding, where
+  one reduction per leaf was half the compile time of a small K2.5 train step (~800 leaves
+  in its gradients, params and optimizer state)."""
+  masks = {}
+  for tree, specs in trees_and_specs:
+    leaves, spec_leaves = jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=sharding.is_spec)
+    if len(leaves) != len(spec_leaves):
+      raise ValueError(f"all_finite: {len(leaves)} leaves against {len(spec_leaves)} specs")
+    for x, spec in zip(leaves, spec_leaves):
+      if jnp.issubdtype(x.dtype, jnp.inexact):
+        key, finite = (x.shape, x.dtype, spec), jnp.isfinite(x)
+        masks[key] = finite if key not in masks else masks[key] & finite
+  return jnp.all(jnp.stack([jnp.all(m) for m in masks.values()])) if masks else jnp.bool_(True)
 
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, abstract_state: TrainState, *,
@@ -91,17 +106,18 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, abstract_
       metrics = {**metrics, "qk_clip/clipped_heads": clip["clipped_heads"],
                  "qk_clip/max_logit": clip["max_logit"], **per_layer}
     params = lm if lm_key is None else {**params, lm_key: lm}
-    finite = jnp.isfinite(loss) & all_finite(grads) & all_finite(params) & all_finite(opt_state)
+    finite = jnp.isfinite(loss) & all_finite((grads, specs.params), (params, specs.params),
+                                             (opt_state, specs.opt_state))
     gated = {}
     apply = finite
     if UPDATE_GATE in metrics:
       metrics = dict(metrics)
       gate = metrics.pop(UPDATE_GATE) > 0
       apply, gated = finite & gate, {"gated": 1.0 - gate.astype(jnp.float32)}
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+    # One conditional for the whole state, not a select per leaf: the same values, a fraction of the kernels.
+    params, opt_state = jax.lax.cond(apply, lambda: (params, opt_state), lambda: (state.params, state.opt_state))
     skipped = state.skipped + jnp.where(finite, 0, 1).astype(jnp.int32)
-    new_state = state.replace(step=state.step + 1, params=keep(params, state.params),
-                              opt_state=keep(opt_state, state.opt_state), rng=rng, skipped=skipped)
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, rng=rng, skipped=skipped)
     metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads),
                    finite=finite.astype(jnp.float32), skipped_steps=skipped, **gated)
     return new_state, metrics
