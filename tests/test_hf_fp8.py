@@ -11,35 +11,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hf_fixtures import hf_logits, random_hf_model, tiny_hf_config
+from hf_fixtures import fp8_quantize, fp8_tensors, hf_logits, random_hf_model, save_fp8_folder, tiny_hf_config
 from k25jax.convert import hf, safetensors_io
 from k25jax.convert.common import CheckpointError
 from k25jax.model import transformer
-
-BLOCK = 128
-FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK]}
-
-
-def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-  """(e4m3 weight, float32 scale per 128x128 block): scale = the block's max |w| / 448."""
-  rows, cols = w.shape
-  blocks = torch.zeros(-(-rows // BLOCK), -(-cols // BLOCK))
-  for i in range(blocks.shape[0]):
-    for j in range(blocks.shape[1]):
-      blocks[i, j] = w[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK].abs().max().clamp(min=1e-12) / 448.0
-  scale = blocks.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:rows, :cols]
-  return (w / scale).to(torch.float8_e4m3fn), blocks
-
-
-def dequantized(q: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-  rows, cols = q.shape
-  return q.to(torch.float32) * blocks.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:rows, :cols]
-
-
-def fp8_layer_weight(name: str, tensor: torch.Tensor) -> bool:
-  """The tensors the released checkpoints store in FP8: the linear weights of the layers, not
-  the norms, the router, the embeddings or the head."""
-  return name.startswith("model.layers.") and tensor.ndim == 2 and not name.endswith("mlp.gate.weight")
 
 
 @pytest.fixture(scope="module")
@@ -49,36 +24,14 @@ def fp8_checkpoint(tmp_path_factory):
   hf_cfg = tiny_hf_config(hidden_size=160, intermediate_size=200, moe_intermediate_size=136, q_lora_rank=144,
                           num_nextn_predict_layers=1)
   model = random_hf_model(hf_cfg)
-  tensors, reference, fused = {}, {}, {}
-
-  def add_fp8(name, value):
-    q, blocks = quantize(value.float())
-    tensors[name], tensors[name + "_scale_inv"] = q, blocks
-    reference[name] = dequantized(q, blocks)
-    return reference[name]
-
-  for name, value in model.state_dict().items():
-    prefix, _, leaf = name.rpartition(".experts.")
-    if leaf == "gate_up_proj":      # transformers fuses the experts; the released files hold one per expert
-      f = value.shape[1] // 2
-      fused[name] = torch.stack([torch.cat([add_fp8(f"{prefix}.experts.{e}.gate_proj.weight", w[:f]),
-                                            add_fp8(f"{prefix}.experts.{e}.up_proj.weight", w[f:])])
-                                 for e, w in enumerate(value)])
-    elif leaf == "down_proj":
-      fused[name] = torch.stack([add_fp8(f"{prefix}.experts.{e}.down_proj.weight", w) for e, w in enumerate(value)])
-    elif fp8_layer_weight(name, value):
-      add_fp8(name, value)
-    else:
-      tensors[name] = reference[name] = value.float().contiguous()
+  tensors, reference, fused = fp8_tensors(model)
   mtp = hf_cfg.num_hidden_layers           # the MTP layer's tensors, as the released folders hold them
-  q, blocks = quantize(torch.randn(hf_cfg.hidden_size, 2 * hf_cfg.hidden_size))
+  q, blocks = fp8_quantize(torch.randn(hf_cfg.hidden_size, 2 * hf_cfg.hidden_size))
   tensors.update({f"model.layers.{mtp}.eh_proj.weight": q, f"model.layers.{mtp}.eh_proj.weight_scale_inv": blocks,
                   f"model.layers.{mtp}.enorm.weight": torch.ones(hf_cfg.hidden_size)})
-  path = tmp_path_factory.mktemp("fp8")
-  save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-  (path / "config.json").write_text(json.dumps({**hf_cfg.to_dict(), "quantization_config": FP8_CONFIG}))
-  model.load_state_dict({**{k: v for k, v in reference.items() if ".experts." not in k}, **fused})
-  return str(path), model, reference, tensors
+  path = save_fp8_folder(tensors, hf_cfg, str(tmp_path_factory.mktemp("fp8")))
+  model.load_state_dict(fused)
+  return path, model, reference, tensors
 
 
 def test_fp8_weights_load_dequantized_and_match_transformers(fp8_checkpoint, tmp_path, caplog):

@@ -1,5 +1,6 @@
 """`init.hf_checkpoint`: a run starts from a Hugging Face folder (its model section taken from
-config.json), trains, and its export loads back in transformers with the run's logits."""
+config.json; bfloat16 as released models, or the released FP8 layout), trains, and its export
+loads back in transformers with the run's logits."""
 import copy
 
 import jax
@@ -8,7 +9,7 @@ import pytest
 import torch
 from transformers import DeepseekV3ForCausalLM
 
-from hf_fixtures import hf_logits, random_hf_model, tiny_hf_config
+from hf_fixtures import fp8_tensors, hf_logits, random_hf_model, save_fp8_folder, tiny_hf_config
 from k25jax.train import hf_export as export
 from k25jax.model import transformer
 from k25jax.rl import sampler
@@ -29,6 +30,18 @@ def folder(tmp_path_factory):
   path = tmp_path_factory.mktemp("deepseek")
   copy.deepcopy(model).to(torch.bfloat16).save_pretrained(str(path))
   return str(path), model
+
+
+@pytest.fixture(scope="module")
+def fp8_folder(folder, tmp_path_factory):
+  """`folder`'s weights in the released FP8 layout (e4m3 layer weights, one 128x128 scale block
+  each at these sizes); in memory, transformers' model on the dequantized weights."""
+  _, model = folder
+  tensors, _, dequantized = fp8_tensors(model)
+  path = save_fp8_folder(tensors, model.config, str(tmp_path_factory.mktemp("deepseek_fp8")))
+  reference = copy.deepcopy(model)
+  reference.load_state_dict(dequantized)
+  return path, reference
 
 
 def config_from(path, steps=20):
@@ -56,11 +69,12 @@ def test_the_model_section_comes_from_the_folder_and_the_params_too(folder):
 
 
 @pytest.mark.slow
-def test_a_run_from_the_folder_exports_back_to_transformers(folder, tmp_path):
-  """init.hf_checkpoint (bfloat16) -> 20 steps of pre-training -> k25jax.export ->
-  from_pretrained: the trained model's logits (atol 2e-5, float32), and transformers' greedy
-  generation equals the k25jax sampler's token for token over 32 new tokens."""
-  path, model = folder
+@pytest.mark.parametrize("start", ["bfloat16", "fp8"])
+def test_a_run_from_the_folder_exports_back_to_transformers(start, request, tmp_path):
+  """init.hf_checkpoint (bfloat16, or FP8 dequantized on load) -> 20 steps of pre-training ->
+  k25jax.export -> from_pretrained: the trained model's logits (atol 2e-5, float32), and
+  transformers' greedy generation equals the k25jax sampler's token for token over 32 new tokens."""
+  path, model = request.getfixturevalue({"bfloat16": "folder", "fp8": "fp8_folder"}[start])
   config = config_from(path)
   config_utils.model_section_from_hf(config)
   state, history = pretrain.run(config, str(tmp_path / "run"))
@@ -76,9 +90,13 @@ def test_a_run_from_the_folder_exports_back_to_transformers(folder, tmp_path):
   np.testing.assert_allclose(hf_logits(reloaded, tokens), np.asarray(ours), atol=2e-5, rtol=0)
   assert np.abs(hf_logits(reloaded, tokens) - hf_logits(model, tokens)).max() > 1e-3    # it trained
   prompt = tokens[:, :8]
+  # 32 greedy tokens on both sides, EOS a token like any other: the export's generation_config
+  # stops at EOS (2), and min_new_tokens would instead forbid it, where the sampler (no stop tokens) takes it
+  reloaded.generation_config.eos_token_id = None
   with torch.no_grad():
-    theirs = reloaded.generate(torch.as_tensor(prompt), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+    theirs = reloaded.generate(torch.as_tensor(prompt), max_new_tokens=32, do_sample=False,
                                pad_token_id=0)[:, 8:].numpy()
+  assert theirs.shape == (2, 32)
   greedy = sampler.SamplingConfig(max_new_tokens=32, temperature=0.0)
   ours = sampler.generate(config_utils.model_config_from(config.model), jax.device_get(state.params), prompt,
                           np.full(len(prompt), 8), jax.random.PRNGKey(0), greedy)["tokens"]
