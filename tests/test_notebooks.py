@@ -8,8 +8,11 @@ and that notebook's test fails if the line is not there.
 
 Every notebook runs in a fresh `python3` kernel (ipykernel) driven by nbclient; any cell
 error fails its test. The kernels do not inherit conftest.py's jax set-up, so their
-environment is given explicitly: CPU, one host device (no forced device count), the tests'
-compile flags (cpu_env.COMPILE_FLAGS), one
+environment is given explicitly: CPU, one host device (no forced device count), LLVM at
+its quickest level (cpu_env.COMPILE_BOUND_FLAGS: a smoke run is mostly compilation) except
+for parl.ipynb, whose rollouts run long enough to pay for level 1 (cpu_env.COMPILE_FLAGS;
+measured one notebook at a time, CPU-s at level 1 -> 0: parl 111 -> 122, fusion_and_muonclip
+83 -> 70, rl_losses 60 -> 41, quickstart 43 -> 41, toggle 9 -> 10), one
 workdir for the session, shared as on a Colab runtime (the RL notebooks share one SFT
 warm start through it), and the test session's jax cache (conftest.py's), which the setup
 cell keeps: parl.ipynb's smoke run and the PARL main command (the last test here) compile
@@ -32,6 +35,7 @@ from nbclient import NotebookClient
 
 COLAB = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "colab"))
 NAMES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(COLAB, "*.ipynb")))
+RUN_BOUND = ("parl.ipynb",)      # the notebooks compiled at level 1; the others at level 0
 LONGEST_FIRST = ("parl.ipynb", "fusion_and_muonclip.ipynb", "rl_losses.ipynb", "quickstart.ipynb", "toggle.ipynb")
 KERNELS_AT_ONCE = 2
 CELL_TIMEOUT_S = 900
@@ -50,10 +54,10 @@ def _at_smoke(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
   return nb
 
 
-def _kernel_env(workdir: str) -> dict:
+def _kernel_env(name: str, workdir: str) -> dict:
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(), K25JAX_COLAB_WORKDIR=workdir,
-             MPLBACKEND="module://matplotlib_inline.backend_inline")
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(compile_bound=name not in RUN_BOUND),
+             K25JAX_COLAB_WORKDIR=workdir, MPLBACKEND="module://matplotlib_inline.backend_inline")
   return env
 
 
@@ -68,7 +72,7 @@ async def _execute_all(workdir: str) -> dict:
         nb = _at_smoke(_load(name))
         client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                                 resources={"metadata": {"path": COLAB}})
-        await client.async_execute(env=_kernel_env(workdir))
+        await client.async_execute(env=_kernel_env(name, workdir))
       except Exception as e:  # pylint: disable=broad-except  (reported by the notebook's own test)
         return name, e
       return name, nb
