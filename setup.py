@@ -28,6 +28,7 @@ setup(
         "numpy",
         "reasoning-gym",   # offline verifiable tasks (k25jax/rl/tasks.py)
         "pyarrow",         # Parquet files as a data source (k25jax/data/files.py)
+        "math-verify",     # the `math` verifier of RL prompt files (k25jax/rl/verifiers.py)
     ],
     # jax calls k25jax.tpu_probe.initialize() before creating backends: libtpu stays quiet
     # on hosts without TPU chips (the dev extra installs it for the TPU compile test).

@@ -66,7 +66,11 @@ def get_config(arg=None):
   c.model = common.model_section("k25", **pod) if k25 else common.model_section("tiny", **tiny)
   c.init = common.init_section()       # init.checkpoint: a workdir of the same model; '' = the warm start below
   c.task = ml_collections.ConfigDict(dict(name="addition", rendering=rendering,   # chat | compact
-                                          train_prompts=1024, eval_prompts=256, seed=0))
+                                          train_prompts=1024, eval_prompts=256, seed=0,
+                                          files="", eval_files="", verifier="exact", on_bad_record="error"))
+  # task.name=file: prompts from task.files (k25jax/rl/prompt_files.py), task.eval_prompts of them held
+  # out unless task.eval_files; records name their verifier (exact | numeric | math | python_tests |
+  # module:function, k25jax/rl/verifiers.py), else task.verifier; task.on_bad_record = error | skip.
 
   # The built-in SFT on the task's demonstrations, when init.checkpoint is empty. Short on
   # purpose: RL needs a warm start that samples right some of the time, not one already solved.

@@ -1,4 +1,6 @@
-"""RL with the K2.5 policy loss on a verifiable text task in the chat format, Toggle inside.
+"""RL with the K2.5 policy loss on a verifiable text task in the chat format, Toggle inside:
+2-digit addition, or the user's prompts from files with their verifiers (`task.name=file`,
+k25jax/rl/prompt_files.py and k25jax/rl/verifiers.py).
 
 Per iteration i, for P prompts x drawn from the training pool (`k25jax.rl.driver` does the rest):
 
@@ -26,9 +28,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from k25jax.data import chat_formats
+from k25jax.data import chat_formats, files
 from k25jax.model import transformer
-from k25jax.rl import decode, driver, rollout, sampler, tasks, toggle
+from k25jax.rl import decode, driver, prompt_files, rollout, sampler, tasks, toggle, verifiers
 from k25jax.train import config_utils, sharding, trainer as trainer_lib, warm_start as warm_start_lib
 
 
@@ -59,7 +61,15 @@ class AdditionTask:
     return tasks.grade_addition(completions, split["a"][rows], split["b"][rows], self.render)
 
 
-TASKS = {"addition": AdditionTask}
+TASKS = ("addition", "file")
+
+
+def make_task(config, max_positions: int):
+  """The task of `task.name`: 2-digit addition, or prompts from the user's files graded by
+  their verifiers (`k25jax.rl.prompt_files`; prompt + answer within `max_positions`)."""
+  if config.task.name == "file":
+    return prompt_files.FileTask(config.task, max_positions)
+  return AdditionTask(config.task)
 
 
 def sampling_config(config, task) -> sampler.SamplingConfig:
@@ -159,15 +169,23 @@ def shared_warm_start(config, root: str) -> str:
   mesh = sharding.make_mesh(config.mesh.to_dict())
   with open(os.path.join(workdir, ".lock"), "w") as lock, jax.set_mesh(mesh):
     fcntl.flock(lock, fcntl.LOCK_EX)         # released when the file closes
-    builtin_warm_start(config, model, TASKS[config.task.name](config.task), mesh, workdir)   # 0 steps if done
+    task = make_task(config, model.cfg.max_position_embeddings)
+    builtin_warm_start(config, model, task, mesh, workdir)   # 0 steps if done
   return os.path.join(workdir, "warm_start")
 
 
 # ------------------------------------------------------------------------------------- run
 def check(config) -> None:
   if config.task.name not in TASKS:
-    raise ValueError(f"task.name={config.task.name!r}; choose from {sorted(TASKS)} (image tasks: configs/rl.py:vision, "
+    raise ValueError(f"task.name={config.task.name!r}; choose from {TASKS} (image tasks: configs/rl.py:vision, "
                      "the rl_vision stage)")
+  if config.task.name == "file":
+    if config.task.rendering != "chat" or not config.task.files:
+      raise ValueError("task.name='file' needs task.files (GLOB,...) and task.rendering='chat', got "
+                       f"files={config.task.files!r}, rendering={config.task.rendering!r}")
+    verifiers.get(config.task.verifier)      # the default verifier imports (ValueError naming it)
+    if config.task.on_bad_record not in files.ON_BAD_RECORD:
+      raise ValueError(f"task.on_bad_record={config.task.on_bad_record!r}: must be one of {files.ON_BAD_RECORD}")
   vocab = tasks.rendering(config.task.rendering).tokenizer.vocab_size
   if config.model.vocab_size != vocab:
     raise ValueError(f"model.vocab_size={config.model.vocab_size} but task.rendering={config.task.rendering!r} "
@@ -180,7 +198,7 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   resumes from workdir/checkpoints. Returns (state, history)."""
   check(config)
   model = transformer.Transformer(config_utils.model_config_from(config.model))
-  task = TASKS[config.task.name](config.task)
+  task = make_task(config, model.cfg.max_position_embeddings)
   sampling = sampling_config(config, task)
   mesh = sharding.make_mesh(config.mesh.to_dict())
   with trainer_lib.Trainer.for_config(config, workdir, model, driver.make_optimizer(config), mesh,

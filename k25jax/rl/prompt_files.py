@@ -1,0 +1,240 @@
+"""RL prompts from the user's files: `task.name=file` in configs/rl.py.
+
+    task.files      = "GLOB,GLOB,..."   .jsonl, .jsonl.gz or .parquet, one record a prompt
+    task.eval_files = "GLOB,..."        the held-out prompts; empty: `task.eval_prompts` records
+                                        drawn from task.files (seed `task.seed`) are held out
+    task.verifier   = "exact"           the verifier of records that name none
+
+    {"prompt": "What is 7 * 6?", "answer": "42", "verifier": "math"}
+    {"messages": [{"role": "user", "content": "..."}], "tests": ["assert f(2) == 4"],
+     "verifier": "python_tests", "completion": "def f(x):\\n  return x * x"}
+
+A record has `prompt` (text) or `messages` (user and assistant turns, the last one the user's),
+the fields its verifier reads (`k25jax.rl.verifiers`: `answer`, `tests`, `tolerance`) and
+anything else a user's verifier wants. The prompt is rendered in the run's chat format (the
+user message, then the assistant's turn opened); the completion is graded by the record's
+verifier on the text before the stop token (a completion without one, or a tool call, is
+unparsable and scores 0). `correct` (accuracy, Toggle's gate) is a reward of 1 or more.
+
+The built-in warm start (no init.checkpoint) fine-tunes on the records' demonstrations: a
+record's `completion`, else its `answer` for the exact, numeric and math verifiers.
+
+A file that cannot be read, a glob that matches nothing, a bad record (not an object, no or
+both of prompt and messages, a malformed message, an image, a field its verifier needs), an
+unknown verifier and a verifier that raises or returns no finite number end in `BadData`, one
+line naming the file and line (`python -m k25jax.main` exits 2); with `task.on_bad_record=skip`
+bad records are skipped and counted (one warning once the files are read), and a verifier
+that raises scores 0 with a warning naming the record.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import math
+
+import numpy as np
+from absl import logging
+
+from k25jax.data import chat_formats, files
+from k25jax.rl import tasks, verifiers
+
+ROLES = ("user", "assistant")
+DEMONSTRATED = ("exact", "numeric", "math")   # verifiers whose answer is itself a correct completion
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptRecord:
+  where: str                 # "path:line" (JSONL) or "path:row N" (Parquet)
+  messages: tuple[dict, ...]
+  verifier: str
+  record: dict
+
+  @property
+  def prompt(self) -> str:
+    """The prompt's text: the last user message's."""
+    return self.messages[-1]["content"]
+
+  @property
+  def demonstration(self) -> str | None:
+    if isinstance(self.record.get("completion"), str):
+      return self.record["completion"]
+    return str(self.record["answer"]) if self.verifier in DEMONSTRATED else None
+
+
+def _rows(path: str):
+  """(where, record) of every record of one file."""
+  if path.endswith(".parquet"):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    try:
+      rows = pq.read_table(path).to_pylist()
+    except (OSError, pa.ArrowException) as e:
+      raise files.BadData(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+    yield from ((f"{path}:row {i}", row) for i, row in enumerate(rows))
+    return
+  opener = gzip.open if path.endswith(".gz") else open
+  try:
+    with opener(path, "rt", encoding="utf-8") as f:
+      for number, line in enumerate(f, start=1):
+        if line.strip():
+          try:
+            yield f"{path}:{number}", json.loads(line)
+          except json.JSONDecodeError as e:
+            yield f"{path}:{number}", files.BadData(f"{path}:{number}: not JSON ({e.msg} at column {e.colno})")
+  except (OSError, EOFError, UnicodeDecodeError) as e:
+    raise files.BadData(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+
+
+def _messages(record: dict) -> tuple[dict, ...] | str:
+  """The prompt as messages, or what is wrong with it."""
+  if ("prompt" in record) == ("messages" in record):
+    return "give exactly one of 'prompt' (text) and 'messages'"
+  if "image" in record:
+    return "an image prompt: the text RL stage takes text; image tasks are the rl_vision stage's"
+  if "prompt" in record:
+    prompt = record["prompt"]
+    return ({"role": "user", "content": prompt},) if isinstance(prompt, str) and prompt.strip() else \
+        "'prompt' must be non-empty text"
+  messages = record["messages"]
+  if not isinstance(messages, list) or not messages:
+    return "'messages' must be a non-empty list"
+  for i, m in enumerate(messages):
+    if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+      return (f"messages[{i}] must be {{'role': one of {ROLES}, 'content': text}} (the run's chat format has no "
+              f"system turn), got {str(m)[:80]}")
+  if messages[-1]["role"] != "user":
+    return "the last message must be the user's (the completion answers it)"
+  return tuple(messages)
+
+
+def _verifier(name, known: dict) -> str | None:
+  """None when `name` is a usable verifier (imported once, cached in `known`), else why not."""
+  if not isinstance(name, str):
+    return f"'verifier' must be text, got {name!r}"
+  if name not in known:
+    try:
+      known[name] = verifiers.get(name)
+    except ValueError as e:
+      known[name] = str(e)
+  return None if callable(known[name]) else known[name]
+
+
+def read(spec: str, field: str, default_verifier: str, bad: files.BadRecords, known: dict) -> list[PromptRecord]:
+  """The prompt records of every file the comma-separated globs of `spec` match."""
+  out = []
+  for pattern, _ in files.parse(spec, field, weights=False):
+    for path in files.matching(pattern, field):
+      for where, record in _rows(path):
+        if isinstance(record, files.BadData):
+          bad.found(str(record))
+          continue
+        if not isinstance(record, dict):
+          bad.found(f"{where}: not a JSON object")
+          continue
+        messages = _messages(record)
+        name = record.get("verifier", default_verifier)
+        problem = (messages if isinstance(messages, str) else _verifier(name, known)
+                   or verifiers.check_record(name, record))
+        if problem:
+          bad.found(f"{where}: {problem}")
+          continue
+        out.append(PromptRecord(where, messages, name, record))
+  if not out:
+    raise files.BadData(f"{field}={spec!r}: no usable prompt record")
+  return out
+
+
+class FileTask:
+  """The RL stage's task (the interface of `k25jax.stages.rl.AdditionTask`) from prompt files,
+  rendered in `task.rendering` (the chat format)."""
+
+  def __init__(self, config, max_positions: int):
+    if config.rendering != "chat":
+      raise ValueError(f"task.name='file' renders prompts as chat turns; task.rendering={config.rendering!r} "
+                       "is the addition task's 17-token vocabulary: set task.rendering=chat")
+    if not config.files:
+      raise ValueError("task.name='file' needs task.files (GLOB,...: .jsonl, .jsonl.gz or .parquet records)")
+    self.render = tasks.rendering(config.rendering)
+    self.tokenizer = self.render.tokenizer
+    self.format = chat_formats.LegacyFormat(self.tokenizer)
+    self.stop_tokens = (self.render.stop_id,)
+    self.bad = files.BadRecords(config.on_bad_record)
+    self._verifiers: dict = {}
+    records = read(config.files, "task.files", config.verifier, self.bad, self._verifiers)
+    if config.eval_files:
+      held_out = read(config.eval_files, "task.eval_files", config.verifier, self.bad, self._verifiers)
+    else:
+      if not 0 < config.eval_prompts < len(records):
+        raise files.BadData(f"task.files: {len(records)} records; task.eval_prompts={config.eval_prompts} of them "
+                            "are held out, which must leave some to train on (or give task.eval_files)")
+      order = np.random.default_rng(config.seed).permutation(len(records))
+      held_out = [records[i] for i in sorted(order[:config.eval_prompts])]
+      records = [records[i] for i in sorted(order[config.eval_prompts:])]
+    self.bad.report("task.files")
+    self.train, self.eval = self._split(records), self._split(held_out)
+    longest = max((self.train, self.eval), key=lambda split: split["prompt_length"].max())
+    row = int(longest["prompt_length"].argmax())
+    self.max_new_tokens = max_positions - int(longest["prompt_length"][row])   # rl.max_new_tokens is clipped to it
+    if self.max_new_tokens < 1:
+      raise files.BadData(f"{longest['record'][row].where}: the prompt is {longest['prompt_length'][row]} tokens, "
+                          f"leaving no room for an answer in model.max_position_embeddings={max_positions}")
+
+  def _split(self, records: list[PromptRecord]) -> dict[str, np.ndarray]:
+    prompts = [self.format.prompt(list(r.messages)) for r in records]
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    tokens = np.full((len(prompts), int(lengths.max())), self.tokenizer.pad_id, np.int32)
+    for row, p in enumerate(prompts):
+      tokens[row, :len(p)] = p
+    held = np.empty(len(records), object)
+    held[:] = records
+    return {"tokens": tokens, "prompt_length": lengths, "record": held}
+
+  def demonstrations(self, n: int, seed: int, p_scratch: float, p_check: float):
+    """n rows of a prompt and its record's demonstration (module docstring), drawn with
+    replacement; (tokens, completion mask, lengths) as `tasks.addition_demonstrations`."""
+    del p_scratch, p_check      # the addition task's
+    shown = [(row, r.demonstration) for row, r in enumerate(self.train["record"]) if r.demonstration is not None]
+    if not shown:
+      raise ValueError("task.name='file': no training record has a demonstration ('completion', or 'answer' with the "
+                       f"{'/'.join(DEMONSTRATED)} verifiers) for the built-in warm start: set init.checkpoint")
+    picks = np.random.default_rng(seed).integers(0, len(shown), n)
+    rows = []
+    for i in picks:
+      row, text = shown[i]
+      rows.append((self.train["tokens"][row, :self.train["prompt_length"][row]].tolist(), self.render.completion(text)))
+    width = max(len(p) + len(c) for p, c in rows)
+    tokens = np.full((n, width), self.tokenizer.pad_id, np.int32)
+    mask = np.zeros((n, width), np.float32)
+    for j, (p, c) in enumerate(rows):
+      tokens[j, :len(p) + len(c)] = p + c
+      mask[j, len(p):len(p) + len(c)] = 1.0
+    return tokens, mask, np.array([len(p) + len(c) for p, c in rows], np.int32)
+
+  def score(self, record: PromptRecord, completion: str) -> float:
+    """The record's verifier on `completion`; a verifier that raises or returns no finite
+    number is BadData naming the record (scored 0 with a warning under on_bad_record=skip)."""
+    try:
+      reward = float(self._verifiers[record.verifier](record.prompt, completion, record.record))
+      if not math.isfinite(reward):
+        raise ValueError(f"returned {reward}")
+    except Exception as e:  # pylint: disable=broad-except  (a user's function: any failure is reported)
+      message = f"{record.where}: verifier {record.verifier!r} failed ({type(e).__name__}: {e})"
+      if not self.bad.skip:
+        raise files.BadData(message) from e
+      logging.warning("%s; scored 0 (task.on_bad_record=skip)", message)
+      return 0.0
+    return reward
+
+  def grade(self, split: dict, rows: np.ndarray, completions: np.ndarray) -> dict:
+    """reward, correct (reward >= 1), unparsable, length (through the first stop) and
+    num_unparsable of each completion row (the prompt of split row `rows[j]`)."""
+    completions = np.asarray(completions)
+    texts = [self.render.completion_text(row) for row in completions]
+    reward = np.array([0.0 if text is None else self.score(record, text)
+                       for record, text in zip(split["record"][rows], texts)], np.float32)
+    unparsable = np.array([text is None for text in texts], bool)
+    is_stop = completions == self.render.stop_id
+    length = np.where(is_stop.any(axis=1), is_stop.argmax(axis=1) + 1, completions.shape[1]).astype(np.int32)
+    return {"reward": reward, "correct": reward >= 1.0, "unparsable": unparsable, "length": length,
+            "num_unparsable": int(unparsable.sum())}
