@@ -3,7 +3,7 @@
     python experiments/rl_prompt_file.py [--iterations 100 --max_operand 49 --eval_every 10 --seed 0
                                           --out experiments/results/rl_prompt_file --workdir DIR]
 
-Writes two JSONL files as a user would bring them: `--train` and `--held_out` questions
+Writes two JSONL files as a user would bring them: `--train_prompts` training and `--held_out` held-out questions
 "What is a + b?" (a, b drawn from [0, --max_operand], the held-out pairs not among the training ones)
 whose records carry the answer as text and `"verifier": "math"` (math-verify compares the
 completion's number with it). Then `configs/rl.py:tiny` with `task.name=file` over them:
