@@ -1,6 +1,6 @@
 """Experiment: RL on a prompt file graded by the `math` verifier (task.name=file), tiny, on CPU.
 
-    python experiments/rl_prompt_file.py [--iterations 100 --max_operand 49 --eval_every 10 --seed 0
+    python experiments/rl_prompt_file.py [--iterations 100 --max_operand 49 --p_worked 0.5 --eval_every 10 --seed 0
                                           --out experiments/results/rl_prompt_file --workdir DIR]
 
 Writes two JSONL files as a user would bring them: `--train_prompts` training and `--held_out` held-out questions
@@ -65,7 +65,7 @@ def main():
   parser.add_argument("--train_prompts", type=int, default=1024)
   parser.add_argument("--held_out", type=int, default=128)
   parser.add_argument("--max_operand", type=int, default=49)
-  parser.add_argument("--p_worked", type=float, default=0.0,
+  parser.add_argument("--p_worked", type=float, default=0.5,
                       help="the share of training records whose demonstration is the worked sum")
   parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "rl_prompt_file"))
   parser.add_argument("--workdir", default="", help="the run and its prompt files (default: a new temporary folder)")
