@@ -127,8 +127,10 @@ def vision_config(preset: str, switches: set) -> ml_collections.ConfigDict:
   c.init.checkpoint = "runs/sft"       # a K2.5 workdir of the same model: configs/sft.py's
   c.task = ml_collections.ConfigDict(dict(
       train_prompts=512, eval_prompts=64, seed=0, image_size=56,
-      kinds=("addition," if preset == "joint" else "") + "count,locate,compare,read"))
-  # task.kinds: a comma-separated subset of k25jax.stages.rl_vision.TASK_KINDS (addition is text only)
+      kinds=("addition," if preset == "joint" else "") + "count,locate,compare,read",
+      files="", eval_files="", verifier="exact", on_bad_record="error"))
+  # task.kinds: a comma-separated subset of k25jax.stages.rl_vision.TASK_KINDS (addition is text only);
+  # task.files: prompts (and images) from the user's files instead (k25jax/rl/prompt_files.py)
   c.rl = ml_collections.ConfigDict(dict(
       prompts_per_iteration=8, num_generations=8, minibatches=2,
       temperature=1.0, top_k=0, top_p=1.0,

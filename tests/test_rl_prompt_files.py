@@ -176,7 +176,7 @@ def test_a_bad_record_is_one_line_naming_its_line_or_is_skipped_and_counted(tmp_
   assert str(error.value).startswith(f"{path}:3: ") and message in str(error.value)
   assert "\n" not in str(error.value)
   task = prompt_files.FileTask(_task_section(files=str(path), on_bad_record="skip"), max_positions=64)
-  assert len(task.train["tokens"]) + len(task.eval["tokens"]) == 3 and len(task.bad.messages) == 1
+  assert len(task.train["tokens"]) + len(task.eval["tokens"]) == 3 and len(task.scorer.bad.messages) == 1
 
 
 def test_bad_files_and_prompts_too_long_for_the_model_are_named(tmp_path):
@@ -201,13 +201,80 @@ def test_a_verifier_that_raises_names_the_record_or_scores_zero_under_skip(tmp_p
   path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "q", "verifier": "flaky:verify"}] * 3)
   task = prompt_files.FileTask(_task_section(files=path), max_positions=64)
   record = task.train["record"][0]
-  assert task.score(record, "fine") == 1.0
+  assert task.scorer.score(record, "fine") == 1.0
   for completion, message in [("boom", "failed (KeyError: 'x')"), ("nan", "failed (ValueError: returned nan)")]:
     with pytest.raises(files.BadData, match=f"^{path}:\\d: verifier 'flaky:verify' {message}".replace("(", r"\(")
                        .replace(")", r"\)")):
-      task.score(record, completion)
+      task.scorer.score(record, completion)
   lenient = prompt_files.FileTask(_task_section(files=path, on_bad_record="skip"), max_positions=64)
-  assert lenient.score(record, "boom") == 0.0
+  assert lenient.scorer.score(record, "boom") == 0.0
+
+
+# ------------------------------------------------------------------- the rl_vision stage's records
+def write_image_records(folder, tasks) -> str:
+  """Each task's image as a PNG beside a JSONL of {"prompt", "image", "answer", "verifier": "exact"}."""
+  from PIL import Image
+  records = []
+  for i, task in enumerate(tasks):
+    Image.fromarray(task.image).save(folder / f"image_{i}.png")
+    records.append({"prompt": task.question, "image": f"image_{i}.png", "answer": task.answer, "verifier": "exact"})
+  return _write_jsonl(folder / "vision.jsonl", records)
+
+
+def _vision_config(**task):
+  from configs import rl as rl_config
+  config = rl_config.get_config("vision")
+  config.task.update({"eval_prompts": 1, **task})
+  return config
+
+
+def _vision_section(**task):
+  return _vision_config(**task).task
+
+
+def test_image_records_become_rl_vision_tasks_with_their_pixels_and_verifiers(tmp_path):
+  from k25jax.data import image_tasks, legacy_chat
+  from k25jax.stages import rl_vision
+  made = image_tasks.make_tasks(4, seed=0, image_size=56, kinds=("count", "read"))
+  path = write_image_records(tmp_path, made)
+  with open(path, "a") as f:
+    f.write(json.dumps({"prompt": "What is 2+2?", "answer": "4", "verifier": "numeric"}) + "\n")
+  train, held_out = prompt_files.vision_tasks(_vision_section(files=path))
+  by_question = {t.question: t for t in train + held_out}
+  assert len(by_question) == 5
+  for task in made:
+    got = by_question[task.question]
+    np.testing.assert_array_equal(got.images["img_1"], task.image)
+    assert got.grade(task.answer) and not got.grade(task.answer + "0") and not got.grade(None)
+  text_only = by_question["What is 2+2?"]
+  assert text_only.images == {} and text_only.reward("about 4") == 1.0
+  config = _vision_config(files=path)
+  train_split, eval_split = rl_vision.TaskSplit.from_config(config, legacy_chat.ChatTokenizer())
+  assert len(train_split.tasks) == 4 and len(eval_split.tasks) == 1
+  assert sum(m is not None for m in train_split.items + eval_split.items) == 4
+  assert max(m.pixel_values.shape[0] for m in train_split.items + eval_split.items if m is not None) <= 16
+
+
+@pytest.mark.parametrize("line, message", [
+    (json.dumps({"messages": [{"role": "user", "content": "x"}], "answer": "1"}), "not 'messages'"),
+    (json.dumps({"prompt": "x", "image": "missing.png", "answer": "1"}), "image 'missing.png' does not exist"),
+    (json.dumps({"prompt": "x", "image": 3, "answer": "1"}), "'image' must be a path"),
+])
+def test_bad_image_records_are_named(tmp_path, line, message):
+  path = tmp_path / "v.jsonl"
+  path.write_text("\n".join([GOOD, GOOD, line]) + "\n")
+  with pytest.raises(files.BadData) as error:
+    prompt_files.vision_tasks(_vision_section(files=str(path)))
+  assert str(error.value).startswith(f"{path}:3: ") and message in str(error.value)
+
+
+def test_an_image_that_does_not_decode_is_named_when_drawn(tmp_path):
+  (tmp_path / "broken.png").write_bytes(b"not a png")
+  path = _write_jsonl(tmp_path / "v.jsonl", [json.loads(GOOD), {"prompt": "x", "image": "broken.png", "answer": "1"}])
+  train, held_out = prompt_files.vision_tasks(_vision_section(files=path, eval_prompts=1))
+  broken, = [t for t in train + held_out if t.record.image]
+  with pytest.raises(files.BadData, match=f"^{path}:2: image file .* cannot decode"):
+    broken.images
 
 
 # ------------------------------------------------------------------------- the RL stage

@@ -34,9 +34,17 @@ def _start(config, tmp_path) -> str:
 
 
 @pytest.mark.slow
-def test_vision_rl_trains_on_image_prompts(tmp_path):
+@pytest.mark.parametrize("source", ["generated", "files"])
+def test_vision_rl_trains_on_image_prompts(tmp_path, source):
+  """On the generated image tasks, and on the same kind of tasks from files (PNGs and a JSONL
+  of prompts, image paths, answers and the exact verifier: `task.files`)."""
   config = _small(load_config("configs/rl.py", "vision"))
   config.init.checkpoint = _start(config, tmp_path)
+  if source == "files":
+    from k25jax.data import image_tasks
+    from test_rl_prompt_files import write_image_records
+    made = image_tasks.make_tasks(20, seed=0, image_size=config.task.image_size, kinds=image_tasks.KINDS)
+    config.task.update(files=write_image_records(tmp_path, made), eval_prompts=4)
   state, history = rl_vision.run(config, str(tmp_path / "run"))
   train = [h for h in history if h["split"] == "train"]
   assert [h["iteration"] for h in train] == [1, 2] and int(state.step) == 2
@@ -44,6 +52,8 @@ def test_vision_rl_trains_on_image_prompts(tmp_path):
   assert [h["iteration"] for h in history if h["split"] == "eval"] == [0, 2]
   evals = [h for h in history if h["split"] == "eval"]
   assert all(0.0 <= h["accuracy"] <= 1.0 and 0.0 <= h["greedy_accuracy"] <= 1.0 for h in evals)
+  if source == "files":
+    assert all("from_files/accuracy" in h for h in evals)
 
 
 @pytest.mark.slow

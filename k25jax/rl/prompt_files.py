@@ -19,28 +19,39 @@ unparsable and scores 0). `correct` (accuracy, Toggle's gate) is a reward of 1 o
 The built-in warm start (no init.checkpoint) fine-tunes on the records' demonstrations: a
 record's `completion`, else its `answer` for the exact, numeric and math verifiers.
 
+The rl_vision stage (configs/rl.py:vision, `task.files`) reads the same files for records of
+a `prompt` and an optional `image` (a path relative to the record's file; the model sees it in
+its prompt, scaled to at most the patches of a `task.image_size` square, and the Python tool
+holds it as `img_1`), each episode's final answer scored by the record's verifier
+(`VisionPromptTask`, logged under the ability `from_files`).
+
 A file that cannot be read, a glob that matches nothing, a bad record (not an object, no or
-both of prompt and messages, a malformed message, an image, a field its verifier needs), an
+both of prompt and messages, a malformed message, an image in the text stage, messages or a
+missing image in rl_vision, a field its verifier needs), an
 unknown verifier and a verifier that raises or returns no finite number end in `BadData`, one
 line naming the file and line (`python -m k25jax.main` exits 2); with `task.on_bad_record=skip`
 bad records are skipped and counted (one warning once the files are read), and a verifier
-that raises scores 0 with a warning naming the record.
+that raises scores 0 with a warning naming the record. An image that does not decode is
+BadData naming its record when it is first drawn.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import json
 import math
+import os
 
 import numpy as np
 from absl import logging
 
-from k25jax.data import chat_formats, files
+from k25jax.data import chat_formats, files, vision
 from k25jax.rl import tasks, verifiers
 
 ROLES = ("user", "assistant")
 DEMONSTRATED = ("exact", "numeric", "math")   # verifiers whose answer is itself a correct completion
+KEPT_SCORES = 8192                            # scores a Scorer keeps (then it starts afresh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +60,7 @@ class PromptRecord:
   messages: tuple[dict, ...]
   verifier: str
   record: dict
+  image: str | None = None   # the image file (rl_vision), its path resolved beside the record's file
 
   @property
   def prompt(self) -> str:
@@ -86,12 +98,16 @@ def _rows(path: str):
     raise files.BadData(f"{path}: unreadable ({type(e).__name__}: {e})") from None
 
 
-def _messages(record: dict) -> tuple[dict, ...] | str:
-  """The prompt as messages, or what is wrong with it."""
+def _messages(record: dict, images: bool) -> tuple[dict, ...] | str:
+  """The prompt as messages, or what is wrong with it (`images`: the rl_vision stage's records,
+  a `prompt` and an optional image)."""
   if ("prompt" in record) == ("messages" in record):
     return "give exactly one of 'prompt' (text) and 'messages'"
-  if "image" in record:
-    return "an image prompt: the text RL stage takes text; image tasks are the rl_vision stage's"
+  if "image" in record and not images:
+    return ("an image prompt: the text RL stage takes text; image prompts are the rl_vision stage's "
+            "(configs/rl.py:vision)")
+  if "messages" in record and images:
+    return "the rl_vision stage takes a 'prompt' (text) and an optional 'image', not 'messages'"
   if "prompt" in record:
     prompt = record["prompt"]
     return ({"role": "user", "content": prompt},) if isinstance(prompt, str) and prompt.strip() else \
@@ -120,8 +136,20 @@ def _verifier(name, known: dict) -> str | None:
   return None if callable(known[name]) else known[name]
 
 
-def read(spec: str, field: str, default_verifier: str, bad: files.BadRecords, known: dict) -> list[PromptRecord]:
-  """The prompt records of every file the comma-separated globs of `spec` match."""
+def _image(path: str, record: dict) -> tuple[str | None, str | None]:
+  """(the record's image file beside `path` or None without one, what is wrong with it or None)."""
+  if "image" not in record:
+    return None, None
+  if not isinstance(record["image"], str):
+    return None, f"'image' must be a path (text), got {record['image']!r}"
+  image = os.path.join(os.path.dirname(os.path.abspath(path)), os.path.expanduser(record["image"]))
+  return (image, None) if os.path.isfile(image) else (None, f"image {record['image']!r} does not exist ({image})")
+
+
+def read(spec: str, field: str, default_verifier: str, bad: files.BadRecords, known: dict,
+         images: bool = False) -> list[PromptRecord]:
+  """The prompt records of every file the comma-separated globs of `spec` match (`images`:
+  the rl_vision stage's, module docstring)."""
   out = []
   for pattern, _ in files.parse(spec, field, weights=False):
     for path in files.matching(pattern, field):
@@ -132,17 +160,69 @@ def read(spec: str, field: str, default_verifier: str, bad: files.BadRecords, kn
         if not isinstance(record, dict):
           bad.found(f"{where}: not a JSON object")
           continue
-        messages = _messages(record)
+        messages = _messages(record, images)
         name = record.get("verifier", default_verifier)
         problem = (messages if isinstance(messages, str) else _verifier(name, known)
                    or verifiers.check_record(name, record))
+        image, problem = (None, problem) if problem else _image(path, record)
         if problem:
           bad.found(f"{where}: {problem}")
           continue
-        out.append(PromptRecord(where, messages, name, record))
+        out.append(PromptRecord(where, messages, name, record, image))
   if not out:
     raise files.BadData(f"{field}={spec!r}: no usable prompt record")
   return out
+
+
+class Scorer:
+  """Each record's verifier, imported once (`known`), and what a failing verifier does
+  (`bad`'s policy): `score(record, completion)`; scores are kept, so grading an answer twice
+  (the reward, then the accuracy) runs its verifier once."""
+
+  def __init__(self, bad: files.BadRecords, known: dict):
+    self.bad, self.known, self._scores = bad, known, {}
+
+  def score(self, record: PromptRecord, completion: str) -> float:
+    """The record's verifier on `completion`; a verifier that raises or returns no finite
+    number is BadData naming the record (scored 0 with a warning under on_bad_record=skip)."""
+    key = (record.where, completion)
+    if key not in self._scores:
+      if len(self._scores) >= KEPT_SCORES:
+        self._scores.clear()
+      self._scores[key] = self._score(record, completion)
+    return self._scores[key]
+
+  def _score(self, record: PromptRecord, completion: str) -> float:
+    try:
+      reward = float(self.known[record.verifier](record.prompt, completion, record.record))
+      if not math.isfinite(reward):
+        raise ValueError(f"returned {reward}")
+    except Exception as e:  # pylint: disable=broad-except  (a user's function: any failure is reported)
+      message = f"{record.where}: verifier {record.verifier!r} failed ({type(e).__name__}: {e})"
+      if not self.bad.skip:
+        raise files.BadData(message) from e
+      logging.warning("%s; scored 0 (task.on_bad_record=skip)", message)
+      return 0.0
+    return reward
+
+
+def split_records(config, images: bool = False) -> tuple[list[PromptRecord], list[PromptRecord], Scorer]:
+  """(training records, held-out records, their scorer) of a task section (module docstring)."""
+  if not config.files:
+    raise ValueError("prompts from files need task.files (GLOB,...: .jsonl, .jsonl.gz or .parquet records)")
+  bad, known = files.BadRecords(config.on_bad_record), {}
+  records = read(config.files, "task.files", config.verifier, bad, known, images)
+  if config.eval_files:
+    held_out = read(config.eval_files, "task.eval_files", config.verifier, bad, known, images)
+  else:
+    if not 0 < config.eval_prompts < len(records):
+      raise files.BadData(f"task.files: {len(records)} records; task.eval_prompts={config.eval_prompts} of them "
+                          "are held out, which must leave some to train on (or give task.eval_files)")
+    order = np.random.default_rng(config.seed).permutation(len(records))
+    held_out = [records[i] for i in sorted(order[:config.eval_prompts])]
+    records = [records[i] for i in sorted(order[config.eval_prompts:])]
+  bad.report("task.files")
+  return records, held_out, Scorer(bad, known)
 
 
 class FileTask:
@@ -153,25 +233,11 @@ class FileTask:
     if config.rendering != "chat":
       raise ValueError(f"task.name='file' renders prompts as chat turns; task.rendering={config.rendering!r} "
                        "is the addition task's 17-token vocabulary: set task.rendering=chat")
-    if not config.files:
-      raise ValueError("task.name='file' needs task.files (GLOB,...: .jsonl, .jsonl.gz or .parquet records)")
     self.render = tasks.rendering(config.rendering)
     self.tokenizer = self.render.tokenizer
     self.format = chat_formats.LegacyFormat(self.tokenizer)
     self.stop_tokens = (self.render.stop_id,)
-    self.bad = files.BadRecords(config.on_bad_record)
-    self._verifiers: dict = {}
-    records = read(config.files, "task.files", config.verifier, self.bad, self._verifiers)
-    if config.eval_files:
-      held_out = read(config.eval_files, "task.eval_files", config.verifier, self.bad, self._verifiers)
-    else:
-      if not 0 < config.eval_prompts < len(records):
-        raise files.BadData(f"task.files: {len(records)} records; task.eval_prompts={config.eval_prompts} of them "
-                            "are held out, which must leave some to train on (or give task.eval_files)")
-      order = np.random.default_rng(config.seed).permutation(len(records))
-      held_out = [records[i] for i in sorted(order[:config.eval_prompts])]
-      records = [records[i] for i in sorted(order[config.eval_prompts:])]
-    self.bad.report("task.files")
+    records, held_out, self.scorer = split_records(config)
     self.train, self.eval = self._split(records), self._split(held_out)
     longest = max((self.train, self.eval), key=lambda split: split["prompt_length"].max())
     row = int(longest["prompt_length"].argmax())
@@ -211,30 +277,65 @@ class FileTask:
       mask[j, len(p):len(p) + len(c)] = 1.0
     return tokens, mask, np.array([len(p) + len(c) for p, c in rows], np.int32)
 
-  def score(self, record: PromptRecord, completion: str) -> float:
-    """The record's verifier on `completion`; a verifier that raises or returns no finite
-    number is BadData naming the record (scored 0 with a warning under on_bad_record=skip)."""
-    try:
-      reward = float(self._verifiers[record.verifier](record.prompt, completion, record.record))
-      if not math.isfinite(reward):
-        raise ValueError(f"returned {reward}")
-    except Exception as e:  # pylint: disable=broad-except  (a user's function: any failure is reported)
-      message = f"{record.where}: verifier {record.verifier!r} failed ({type(e).__name__}: {e})"
-      if not self.bad.skip:
-        raise files.BadData(message) from e
-      logging.warning("%s; scored 0 (task.on_bad_record=skip)", message)
-      return 0.0
-    return reward
-
   def grade(self, split: dict, rows: np.ndarray, completions: np.ndarray) -> dict:
     """reward, correct (reward >= 1), unparsable, length (through the first stop) and
     num_unparsable of each completion row (the prompt of split row `rows[j]`)."""
     completions = np.asarray(completions)
     texts = [self.render.completion_text(row) for row in completions]
-    reward = np.array([0.0 if text is None else self.score(record, text)
+    reward = np.array([0.0 if text is None else self.scorer.score(record, text)
                        for record, text in zip(split["record"][rows], texts)], np.float32)
     unparsable = np.array([text is None for text in texts], bool)
     is_stop = completions == self.render.stop_id
     length = np.where(is_stop.any(axis=1), is_stop.argmax(axis=1) + 1, completions.shape[1]).astype(np.int32)
     return {"reward": reward, "correct": reward >= 1.0, "unparsable": unparsable, "length": length,
             "num_unparsable": int(unparsable.sum())}
+
+
+# ------------------------------------------------------------------ the rl_vision stage's tasks
+IMAGE_NAME = "img_1"     # a record's image in the Python tool's namespace
+
+
+@functools.lru_cache(maxsize=256)
+def _pixels(path: str) -> np.ndarray:
+  return vision.load_image(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionPromptTask:
+  """A record as a task of the rl_vision stage (the interface of `image_tasks.ImageTask`): its
+  prompt the question, its image (if any) in the prompt and as `img_1` in the Python tool's
+  namespace; `reward` is the verifier's score of the final answer, `grade` a reward of 1 or more."""
+
+  record: PromptRecord
+  scorer: Scorer
+  kind: str = "file"
+
+  @property
+  def question(self) -> str:
+    return self.record.prompt
+
+  @property
+  def image(self) -> np.ndarray | None:
+    """The image's RGB pixels; an image that does not decode is BadData naming the record."""
+    if self.record.image is None:
+      return None
+    try:
+      return _pixels(self.record.image)
+    except ValueError as e:
+      raise files.BadData(f"{self.record.where}: {e}") from None
+
+  @property
+  def images(self) -> dict[str, np.ndarray]:
+    return {} if self.record.image is None else {IMAGE_NAME: self.image}
+
+  def reward(self, answer: str | None) -> float:
+    return 0.0 if answer is None else self.scorer.score(self.record, answer)
+
+  def grade(self, answer: str | None) -> bool:
+    return self.reward(answer) >= 1.0
+
+
+def vision_tasks(config) -> tuple[list[VisionPromptTask], list[VisionPromptTask]]:
+  """(training tasks, held-out tasks) of the rl_vision stage's task section from its files."""
+  train, held_out, scorer = split_records(config, images=True)
+  return [VisionPromptTask(r, scorer) for r in train], [VisionPromptTask(r, scorer) for r in held_out]

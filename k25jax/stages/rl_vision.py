@@ -2,7 +2,8 @@
 with or without the Python tool.
 
 Per iteration i, for P tasks x of `task.kinds` (image tasks: counting, locating, comparing,
-reading, `k25jax.data.image_tasks`; text tasks: 2-digit addition, `tasks.ArithmeticTask`)
+reading, `k25jax.data.image_tasks`; text tasks: 2-digit addition, `tasks.ArithmeticTask`), or
+of the user's prompt files (`task.files`: a prompt, an optional image, a verifier)
 and K episodes each (`k25jax.rl.driver` does the rest):
 
     prompt   = BOS <|user|> [<|media_begin|>image<|media_content|> N×<|media_pad|> <|media_end|>]
@@ -10,7 +11,8 @@ and K episodes each (`k25jax.rl.driver` does the rest):
     episode  = multi-turn rollout under π_old (`k25jax.agents.tool_rollout`): with the tool
                (`rl.tool`), the model's code runs in a sandbox session holding the task's
                images; without it, a call gets an error observation and the model must answer itself
-    r_j      = 1[task.grade(answer_j)]                     (exact answer; addition: any correct form)
+    r_j      = 1[task.grade(answer_j)]                     (exact answer; addition: any correct form;
+               a record of the user's files, `task.files`: its verifier's score, k25jax/rl/prompt_files.py)
     r_j     ← r_j · 1[acc(x) < λ  or  |y_j| ≤ budget(x)]   with Toggle (`toggle.enabled`), in phase 0
                (`k25jax.rl.toggle`; |y_j| the episode's generated tokens, budgets from the start)
     A_j      = r_j − mean_k r_k,  θ ← θ − η ∇ L_K2.5(θ)  over the generated tokens only (tool
@@ -34,11 +36,11 @@ import ml_collections
 import numpy as np
 
 from k25jax.agents import tool_rollout
-from k25jax.data import chat_formats, legacy_chat as chat, image_tasks
+from k25jax.data import chat_formats, files, legacy_chat as chat, image_tasks
 from k25jax.data import vision as vision_data
 from k25jax.model import k25
 from k25jax.model.config import K25Config
-from k25jax.rl import driver, rollout, sampler, tasks, toggle
+from k25jax.rl import driver, prompt_files, rollout, sampler, tasks, toggle, verifiers
 from k25jax.train import config_utils, multimodal, sharding, trainer as trainer_lib
 
 ROW_FEATURES = ("inputs", "targets", "positions", "segment_ids", "mask", "old_logp", "advantages", "rewards")
@@ -78,13 +80,30 @@ class TaskSplit:
   blocks: list[list[int]]
 
   @classmethod
+  def of(cls, made: list, tok: chat.ChatTokenizer, max_patches: int = vision_data.IMAGE_MAX_PATCHES) -> "TaskSplit":
+    """`made` with their images preprocessed (at most `max_patches` patches each) and media blocks."""
+    items = [vision_data.preprocess_image(t.image, max_patches=max_patches) if t.images else None for t in made]
+    return cls(made, items, [vision_data.media_token_ids(m, tok) if m is not None else [] for m in items])
+
+  @classmethod
   def make(cls, n: int, seed: int, config, tok: chat.ChatTokenizer, held_out_from: "TaskSplit | None" = None
            ) -> "TaskSplit":
     """`held_out_from`: the training split, whose sums this split must not repeat."""
     seen = frozenset((t.a, t.b) for t in held_out_from.tasks if t.kind == "addition") if held_out_from else frozenset()
-    made = make_tasks(n, seed, parse_kinds(config.task.kinds), config.task.image_size, seen)
-    items = [vision_data.preprocess_image(t.image) if t.images else None for t in made]
-    return cls(made, items, [vision_data.media_token_ids(m, tok) if m is not None else [] for m in items])
+    return cls.of(make_tasks(n, seed, parse_kinds(config.task.kinds), config.task.image_size, seen), tok)
+
+  @classmethod
+  def from_config(cls, config, tok: chat.ChatTokenizer) -> tuple["TaskSplit", "TaskSplit"]:
+    """(training split, held-out split): the generated tasks of `task.kinds`, or with `task.files`
+    the records of the user's files (`prompt_files.vision_tasks`), their images scaled to at most
+    the patches of a `task.image_size` square."""
+    task = config.task
+    if task.files:
+      train, held_out = prompt_files.vision_tasks(task)
+      budget = max(1, task.image_size // vision_data.PATCH_SIZE) ** 2
+      return cls.of(train, tok, budget), cls.of(held_out, tok, budget)
+    train = cls.make(task.train_prompts, task.seed, config, tok)
+    return train, cls.make(task.eval_prompts, task.seed + 1, config, tok, held_out_from=train)
 
   def take(self, rows) -> "TaskSplit":
     return TaskSplit([self.tasks[r] for r in rows], [self.items[r] for r in rows], [self.blocks[r] for r in rows])
@@ -93,6 +112,12 @@ class TaskSplit:
   def patches_per_row(self) -> int:
     """The largest image's patches (every row's media budget), 1 when no task has an image."""
     return max([m.pixel_values.shape[0] for m in self.items if m is not None], default=1)
+
+
+def reward_of(task, answer: str | None) -> float:
+  """An episode's reward: a file record's verifier score (`prompt_files.VisionPromptTask.reward`),
+  else 1 for a correct answer and 0 otherwise."""
+  return task.reward(answer) if isinstance(task, prompt_files.VisionPromptTask) else float(task.grade(answer))
 
 
 def ability_metrics(transcripts, split_tasks) -> dict[str, float]:
@@ -142,9 +167,10 @@ def collector(config, model_cfg: K25Config, tok, pool, split: TaskSplit, per_row
     episodes = split.take(np.repeat(rows, k))
     transcripts = play(config, model_cfg, params, tok, pool, episodes, temperature=r.temperature,
                        seed=seed * 7919 + it, per_row=per_row)
-    reward = np.array([task.grade(t.answer) for t, task in zip(transcripts, episodes.tasks)], np.float32)
+    reward = np.array([reward_of(task, t.answer) for t, task in zip(transcripts, episodes.tasks)], np.float32)
+    correct = np.array([task.grade(t.answer) for t, task in zip(transcripts, episodes.tasks)], bool)
     lengths = np.array([sum(t.loss_mask) for t in transcripts], np.float32)
-    shaped, phase = toggle.shape_rewards(config.toggle, k, it, reward, reward > 0, lengths,
+    shaped, phase = toggle.shape_rewards(config.toggle, k, it, reward, correct, lengths,
                                          np.repeat(budgets[rows], k))
     return driver.Rollouts(rollout.loss_rows(transcripts, r.max_context, tok.pad_id), shaped,
                            {"reward": float(reward.mean()), "shaped_reward": float(shaped.mean()),
@@ -180,6 +206,10 @@ def evaluate(config, model_cfg, params, tok, pool, split: TaskSplit, per_row: in
 
 # ------------------------------------------------------------------------------------- run
 def check(config) -> None:
+  if config.task.files:
+    verifiers.get(config.task.verifier)      # the default verifier imports (ValueError naming it)
+    if config.task.on_bad_record not in files.ON_BAD_RECORD:
+      raise ValueError(f"task.on_bad_record={config.task.on_bad_record!r}: must be one of {files.ON_BAD_RECORD}")
   if not config.init.checkpoint:
     raise ValueError("the rl_vision stage starts from a K2.5 checkpoint: set init.checkpoint to a workdir of "
                      "configs/sft.py (zero-vision SFT) or of joint pre-training")
@@ -192,8 +222,7 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   tok = chat.ChatTokenizer()
   model = k25.K25(config_utils.k25_config_from(config.model, tok))
   mesh = sharding.make_mesh(config.mesh.to_dict())
-  train_split = TaskSplit.make(config.task.train_prompts, config.task.seed, config, tok)
-  eval_split = TaskSplit.make(config.task.eval_prompts, config.task.seed + 1, config, tok, held_out_from=train_split)
+  train_split, eval_split = TaskSplit.from_config(config, tok)
   per_row = max(train_split.patches_per_row, eval_split.patches_per_row)
   by_ability = [f"{ability}/accuracy" for ability in dict.fromkeys(tasks.ABILITIES[t.kind] for t in eval_split.tasks)]
   with tool_rollout.sandbox_pool(config.sandbox) as pool, \
