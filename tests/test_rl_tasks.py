@@ -163,7 +163,7 @@ def test_arithmetic_chat_task_grades_every_correct_form_and_has_no_image():
 
 
 def test_every_task_kind_has_an_ability():
-  assert set(tasks.ABILITIES) == {"addition", *image_tasks.KINDS}
+  assert set(tasks.ABILITIES) == {"addition", *image_tasks.KINDS, "file"}   # file: rl_vision records of prompt files
 
 
 def test_unknown_rendering_is_refused():
