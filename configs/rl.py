@@ -6,7 +6,8 @@ chat format (k25jax's own, `data/legacy_chat.py`) through the chat tokenizer (`t
 tool tokens, the vocabulary of the tiny chat model of configs/sft.py) — a built-in SFT warm
 start (~1 min), then RL in a few minutes. Switches after the preset, comma-separated:
 `toggle` turns Toggle on (`configs/rl.py:tiny,toggle`, or configs/toggle.py); `compact`
-renders the same task over its 17-token vocabulary (a 17-id model) instead.
+renders the same task over its 17-token vocabulary (a 17-id model) instead; `k25_format` in
+Kimi K2.5's chat format over the byte tokenizer with its chat tokens (a 275-id model).
 
 `get_config("k25")` (`configs/rl.py:k25`): the released K2 text backbone on a TPU pod, the
 update step of a pod run: the MoE layers scanned and recomputed in the backward, the Pallas
@@ -40,13 +41,14 @@ import ml_collections
 from configs import common
 
 PRESETS = ("tiny", "k25", "vision", "joint")
-SWITCHES = ("toggle", "no_tool", "compact")
+SWITCHES = ("toggle", "no_tool", "compact", "k25_format")
 
 TINY_MODEL = dict(vocab_size=common.CHAT_VOCAB_SIZE, hidden_size=64, intermediate_size=192, moe_intermediate_size=64,
                   num_hidden_layers=2, num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2,
                   q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                   max_position_embeddings=64)
 COMPACT_VOCAB_SIZE = 17   # the addition task's compact rendering (k25jax.rl.tasks.ADDITION_VOCAB)
+K25_FORMAT_VOCAB_SIZE = 275   # the K2.5 chat format over bytes (k25jax.data.tokenizer.ByteTokenizer(media, chat))
 
 
 def get_config(arg=None):
@@ -55,17 +57,21 @@ def get_config(arg=None):
     return vision_config(preset, switches)
   if "no_tool" in switches:
     raise ValueError(f"configs/rl.py:{preset}: the no_tool switch is for the vision preset")
-  if "compact" in switches and preset != "tiny":
-    raise ValueError(f"configs/rl.py:{preset}: the compact switch is for the tiny preset")
+  for switch in ("compact", "k25_format"):
+    if switch in switches and preset != "tiny":
+      raise ValueError(f"configs/rl.py:{preset}: the {switch} switch is for the tiny preset")
+  if {"compact", "k25_format"} <= switches:
+    raise ValueError("configs/rl.py: choose one of the compact and k25_format switches")
   k25 = preset == "k25"
   c = ml_collections.ConfigDict()
   c.stage = "rl"
   pod = dict(scan_layers=True, remat_policy="full", moe_impl="ragged_dot", attention_impl="pallas")
-  rendering = "compact" if "compact" in switches else "chat"
-  tiny = {**TINY_MODEL, "vocab_size": COMPACT_VOCAB_SIZE} if rendering == "compact" else TINY_MODEL
+  rendering = "compact" if "compact" in switches else "k2.5" if "k25_format" in switches else "chat"
+  vocab = {"compact": COMPACT_VOCAB_SIZE, "k2.5": K25_FORMAT_VOCAB_SIZE, "chat": TINY_MODEL["vocab_size"]}[rendering]
+  tiny = {**TINY_MODEL, "vocab_size": vocab}
   c.model = common.model_section("k25", **pod) if k25 else common.model_section("tiny", **tiny)
   c.init = common.init_section()       # init.checkpoint: a workdir of the same model; '' = the warm start below
-  c.task = ml_collections.ConfigDict(dict(name="addition", rendering=rendering,   # chat | compact
+  c.task = ml_collections.ConfigDict(dict(name="addition", rendering=rendering,   # chat | k2.5 | compact
                                           train_prompts=1024, eval_prompts=256, seed=0,
                                           files="", eval_files="", verifier="exact", on_bad_record="error"))
   # task.name=file: prompts from task.files (k25jax/rl/prompt_files.py), task.eval_prompts of them held

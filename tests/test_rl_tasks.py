@@ -150,6 +150,44 @@ def test_chat_grader_treats_calls_role_tokens_and_truncation_as_unparsable():
   np.testing.assert_array_equal(out["length"], [4, 4, 5, 5, width, 5, 4])
 
 
+K25 = tasks.K25Rendering()
+
+
+def test_k25_rendering_by_hand_and_the_run_config_speaks_it():
+  from configs import rl as rl_config
+  from k25jax.data import chat_formats
+  from k25jax.stages import rl
+  tok = K25.tokenizer
+  assert tok.vocab_size == 275
+  assert tok.decode(tasks.addition_prompt(57, 8, K25)) == (
+      "<|im_system|>system<|im_middle|><|im_end|><|im_user|>user<|im_middle|>57+08=<|im_end|>"
+      "<|im_assistant|>assistant<|im_middle|><think></think>")
+  completion = tasks.addition_completion(57, 68, scratch=True, check=False, render=K25)
+  assert tok.decode(completion) == "75+86>521<|im_end|>" and completion[-1] == tok.special["<|im_end|>"]
+  demos = tasks.addition_demonstrations(32, seed=4, render=K25)
+  assert demos["tokens"].shape == (32, 35 + 20)
+  graded = tasks.grade_addition(demos["tokens"][:, 35:], demos["a"], demos["b"], K25)
+  assert graded["reward"].sum() == 32 and graded["num_unparsable"] == 0
+  config = rl_config.get_config("tiny,k25_format")
+  rl.check(config)
+  assert config.model.vocab_size == tok.vocab_size and chat_formats.record_of(tok) == chat_formats.K25_RECORD
+
+
+def test_k25_grader_treats_calls_stray_tokens_and_truncation_as_unparsable():
+  tok, end = K25.tokenizer, K25.tokenizer.special["<|im_end|>"]
+  call = [tok.special[n] for n in ("<|tool_calls_section_begin|>", "<|tool_call_begin|>")] + tok.encode(
+      "functions.python:0") + [tok.special["<|tool_call_argument_begin|>"]] + tok.encode('{"code": "1"}') + [
+      tok.special[n] for n in ("<|tool_call_end|>", "<|tool_calls_section_end|>")]
+  rows = [tok.encode("521") + [end], tok.encode("421") + [end], call + [end],
+          tok.encode("52") + [tok.special["<|im_user|>"]] + tok.encode("1") + [end], tok.encode("521"), [end],
+          tok.encode("521") + [end] + tok.encode("zz")]
+  width = max(len(r) for r in rows)
+  completions = np.array([r + [tasks.PAD_ID] * (width - len(r)) for r in rows])
+  out = tasks.grade_addition(completions, np.full(len(rows), 57), np.full(len(rows), 68), K25)
+  np.testing.assert_array_equal(out["reward"], [1, 0, 0, 0, 0, 0, 1])
+  np.testing.assert_array_equal(out["unparsable"], [0, 0, 1, 1, 1, 1, 0])
+
+
 def test_arithmetic_chat_task_grades_every_correct_form_and_has_no_image():
   task, = tasks.arithmetic_tasks(1, seed=0)
   prompts = tasks.addition_prompts(1, seed=0)

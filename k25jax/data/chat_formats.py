@@ -26,14 +26,18 @@ from k25jax.data import chat, legacy_chat, tokenizer as tokenizer_lib
 from k25jax.data.vision import Media, media_token_ids
 
 LEGACY_RECORD = {"name": "bytes", "path": "", "media": True, "chat": "legacy"}
+K25_RECORD = {"name": "bytes", "path": "", "media": True, "chat": "k2.5"}
 
 
 def record_of(tok) -> dict | None:
   """The model record of a stage's tokenizer when it is the legacy chat tokenizer (bytes,
-  media, role tokens: `LEGACY_RECORD`); None for the others a stage builds itself (the
-  compact addition and PARL DSL vocabularies, which no tool outside their stage reads)."""
+  media, role tokens: `LEGACY_RECORD`) or the byte tokenizer with media and the K2.5 chat
+  tokens (`K25_RECORD`); None for the others a stage builds itself (the compact addition
+  and PARL DSL vocabularies, which no tool outside their stage reads)."""
   if isinstance(tok, legacy_chat.ChatTokenizer) and isinstance(tok.base, tokenizer_lib.ByteTokenizer) and tok.media:
     return dict(LEGACY_RECORD)
+  if isinstance(tok, tokenizer_lib.ByteTokenizer) and tok.media and chat.IM_MIDDLE in tok.special:
+    return dict(K25_RECORD)
   return None
 
 

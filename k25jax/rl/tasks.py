@@ -11,16 +11,19 @@ Two families:
   digits up in the order the answer is produced); the optional check block after it
   restates the whole equation (useless: the answer is already out). Correct answers so
   come in four lengths, and a length budget has something to trim: 3, 9, 13 or 19
-  characters, one token each in both renderings, plus the stop token.
+  characters, one token each in every rendering, plus the stop token.
 
-      rendering  prompt                                          completion ends with
-      chat       BOS <|user|> 57+68= <|end|> <|assistant|>       <|end|>    (`ChatRendering`)
-      compact    ^57+68=   over a 17-token vocabulary            $          (`CompactRendering`)
+      rendering  prompt                                              completion ends with
+      chat       BOS <|user|> 57+68= <|end|> <|assistant|>           <|end|>     (`ChatRendering`)
+      k2.5       the K2.5 chat format, an empty system turn (35 ids) <|im_end|>  (`K25Rendering`)
+      compact    ^57+68=   over a 17-token vocabulary                $           (`CompactRendering`)
 
   `chat` is k25jax's own chat format through `k25jax.data.legacy_chat.ChatTokenizer` (bytes, media,
   role and tool tokens: the vocabulary of the tiny chat model), configs/rl.py's default;
-  `compact` keeps a 17-token model for the fastest CPU runs, and is what the functions
-  below render when no `render` is given. Both grade the decoded text with one parser.
+  `k2.5` is Kimi K2.5's chat format over the byte tokenizer with its chat tokens
+  (`configs/rl.py:tiny,k25_format`); `compact` keeps a 17-token model for the fastest CPU
+  runs, and is what the functions below render when no `render` is given. All grade the
+  decoded text with one parser.
 
 * `ReasoningGymTask`: `countdown` and `gsm_symbolic` from the `reasoning-gym` package,
   generated procedurally (no download) for `small` runs; text prompts, text completions
@@ -37,7 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
-from k25jax.data import legacy_chat as chat
+from k25jax.data import chat as k25_chat, legacy_chat as chat, tokenizer as tokenizer_lib
 
 # --- 2-digit addition: the text ----------------------------------------------------------
 
@@ -173,12 +176,44 @@ class ChatRendering:
     return None if turn.call or turn.error in ("truncated", "stray_token") else turn.text
 
 
-RENDERINGS = {"chat": ChatRendering, "compact": CompactRendering}
+class K25Rendering:
+  """The K2.5 chat format (`k25jax.data.chat`) over the byte tokenizer with its chat tokens
+  (275 ids): the question is the user message after an empty system turn (in place of the
+  template's default one, whose 52 bytes the tiny model's 64 positions would not hold), the
+  completion the assistant's answer with thinking off.
+
+      prompt      <|im_system|>system<|im_middle|><|im_end|><|im_user|>user<|im_middle|>57+68=<|im_end|>
+                  <|im_assistant|>assistant<|im_middle|><think></think>          (35 ids)
+      completion  text <|im_end|>
+
+  A generated turn with a tool call, a stray special token or no <|im_end|> is not an answer:
+  its text is None, and it scores as unparsable.
+  """
+
+  SYSTEM = {"role": "system", "content": ""}
+
+  def __init__(self):
+    self.tokenizer = tokenizer_lib.ByteTokenizer(media=True, chat=True)
+    self.stop_id, self.pad_id = self.tokenizer.special[k25_chat.IM_END], tokenizer_lib.PAD_ID
+
+  def prompt(self, question: str) -> list[int]:
+    return k25_chat.render_ids(self.tokenizer, [self.SYSTEM, {"role": "user", "content": question}],
+                               add_generation_prompt=True)[0]
+
+  def completion(self, text: str) -> list[int]:
+    return self.tokenizer.encode(text) + [self.stop_id]
+
+  def completion_text(self, ids: Sequence[int]) -> str | None:
+    turn = k25_chat.parse_assistant(self.tokenizer, ids)
+    return None if turn.error or turn.tool_calls else turn.content
+
+
+RENDERINGS = {"chat": ChatRendering, "k2.5": K25Rendering, "compact": CompactRendering}
 COMPACT = CompactRendering()
 
 
 def rendering(name: str):
-  """The addition task's rendering called `name` ("chat" | "compact")."""
+  """The addition task's rendering called `name` ("chat" | "k2.5" | "compact")."""
   if name not in RENDERINGS:
     raise ValueError(f"task.rendering={name!r}; choose from {sorted(RENDERINGS)}")
   return RENDERINGS[name]()
