@@ -66,7 +66,7 @@ def form_mix(config, params) -> dict:
   model_cfg = config_utils.model_config_from(config.model)
   task = rl.AdditionTask(config.task)
   sampling = sampler.SamplingConfig(max_new_tokens=task.max_new_tokens, temperature=config.rl.temperature,
-                                    stop_tokens=task.stop_tokens, pad_id=task.tokenizer.pad_id)
+                                    stop_tokens=task.stop_tokens, pad_id=task.render.pad_id)
   rows = np.arange(len(task.eval["tokens"]))
   out = rl.sample(model_cfg, params, task, task.eval, rows, 8, jax.random.PRNGKey(12345), sampling)
   mix = {}
@@ -84,7 +84,7 @@ def warm_start_diagnostics(config, workdir: str) -> dict:
   task = rl.AdditionTask(config.task)
   mesh = sharding.make_mesh(config.mesh.to_dict())
   sampling = sampler.SamplingConfig(max_new_tokens=task.max_new_tokens, temperature=config.rl.temperature,
-                                    stop_tokens=task.stop_tokens, pad_id=task.tokenizer.pad_id)
+                                    stop_tokens=task.stop_tokens, pad_id=task.render.pad_id)
   with jax.set_mesh(mesh):
     params = (trainer_lib.restore_params(model, config.init.checkpoint, mesh) if config.init.checkpoint
               else rl.builtin_warm_start(config, model, task, mesh, workdir))

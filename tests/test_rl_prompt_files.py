@@ -134,6 +134,27 @@ def test_the_task_holds_out_prompts_renders_them_as_chat_turns_and_grades_with_e
   assert task.max_new_tokens == 64 - max(task.train["tokens"].shape[1], task.eval["tokens"].shape[1])
 
 
+def test_in_the_k25_format_prompts_open_with_a_system_turn_and_answers_close_with_im_end(tmp_path):
+  from k25jax.data import chat
+  records = [{"prompt": "2+2=", "answer": "4"},
+             {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3+3="}],
+              "answer": "6"}]
+  path = _write_jsonl(tmp_path / "p.jsonl", records)
+  held = _write_jsonl(tmp_path / "h.jsonl", [{"prompt": "1+1=", "answer": "2"}])
+  task = prompt_files.FileTask(_task_section(files=path, eval_files=held, rendering="k2.5"), max_positions=64)
+  tok = task.tokenizer
+  prompts = {tok.decode(row[:n]) for row, n in zip(task.train["tokens"], task.train["prompt_length"])}
+  assert prompts == {chat.render_text([{"role": "system", "content": ""}, {"role": "user", "content": "2+2="}],
+                                      add_generation_prompt=True),
+                     chat.render_text(records[1]["messages"], add_generation_prompt=True)}
+  end = tok.special[chat.IM_END]
+  rows = np.array([tok.encode("4") + [end], tok.encode("44")])            # answered; truncated
+  first = [i for i, r in enumerate(task.train["record"]) if r.prompt == "2+2="]
+  graded = task.grade(task.train, np.array(first * 2), rows)
+  np.testing.assert_array_equal(graded["reward"], [1, 0])
+  np.testing.assert_array_equal(graded["unparsable"], [False, True])
+
+
 def test_held_out_files_and_the_warm_starts_demonstrations(tmp_path):
   train = _write_jsonl(tmp_path / "train.jsonl", RECORDS + [{"prompt": "f?", "tests": ["assert f"],
                                                             "verifier": "python_tests"}])

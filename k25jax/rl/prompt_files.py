@@ -46,10 +46,10 @@ import os
 import numpy as np
 from absl import logging
 
-from k25jax.data import chat_formats, files, vision
+from k25jax.data import files, vision
 from k25jax.rl import tasks, verifiers
 
-ROLES = ("user", "assistant")
+ROLES = {"chat": ("user", "assistant"), "k2.5": ("system", "user", "assistant")}   # a prompt's roles, by rendering
 DEMONSTRATED = ("exact", "numeric", "math")   # verifiers whose answer is itself a correct completion
 KEPT_SCORES = 8192                            # scores a Scorer keeps (then it starts afresh)
 
@@ -98,9 +98,9 @@ def _rows(path: str):
     raise files.BadData(f"{path}: unreadable ({type(e).__name__}: {e})") from None
 
 
-def _messages(record: dict, images: bool) -> tuple[dict, ...] | str:
-  """The prompt as messages, or what is wrong with it (`images`: the rl_vision stage's records,
-  a `prompt` and an optional image)."""
+def _messages(record: dict, images: bool, roles: tuple[str, ...]) -> tuple[dict, ...] | str:
+  """The prompt as messages of `roles`, or what is wrong with it (`images`: the rl_vision
+  stage's records, a `prompt` and an optional image)."""
   if ("prompt" in record) == ("messages" in record):
     return "give exactly one of 'prompt' (text) and 'messages'"
   if "image" in record and not images:
@@ -116,9 +116,9 @@ def _messages(record: dict, images: bool) -> tuple[dict, ...] | str:
   if not isinstance(messages, list) or not messages:
     return "'messages' must be a non-empty list"
   for i, m in enumerate(messages):
-    if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-      return (f"messages[{i}] must be {{'role': one of {ROLES}, 'content': text}} (the run's chat format has no "
-              f"system turn), got {str(m)[:80]}")
+    if not isinstance(m, dict) or m.get("role") not in roles or not isinstance(m.get("content"), str):
+      return (f"messages[{i}] must be {{'role': one of {roles}, 'content': text}} in the run's chat format, "
+              f"got {str(m)[:80]}")
   if messages[-1]["role"] != "user":
     return "the last message must be the user's (the completion answers it)"
   return tuple(messages)
@@ -147,7 +147,7 @@ def _image(path: str, record: dict) -> tuple[str | None, str | None]:
 
 
 def read(spec: str, field: str, default_verifier: str, bad: files.BadRecords, known: dict,
-         images: bool = False) -> list[PromptRecord]:
+         images: bool = False, roles: tuple[str, ...] = ROLES["chat"]) -> list[PromptRecord]:
   """The prompt records of every file the comma-separated globs of `spec` match (`images`:
   the rl_vision stage's, module docstring)."""
   out = []
@@ -160,7 +160,7 @@ def read(spec: str, field: str, default_verifier: str, bad: files.BadRecords, kn
         if not isinstance(record, dict):
           bad.found(f"{where}: not a JSON object")
           continue
-        messages = _messages(record, images)
+        messages = _messages(record, images, roles)
         name = record.get("verifier", default_verifier)
         problem = (messages if isinstance(messages, str) else _verifier(name, known)
                    or verifiers.check_record(name, record))
@@ -206,14 +206,15 @@ class Scorer:
     return reward
 
 
-def split_records(config, images: bool = False) -> tuple[list[PromptRecord], list[PromptRecord], Scorer]:
+def split_records(config, images: bool = False, roles: tuple[str, ...] = ROLES["chat"]
+                  ) -> tuple[list[PromptRecord], list[PromptRecord], Scorer]:
   """(training records, held-out records, their scorer) of a task section (module docstring)."""
   if not config.files:
     raise ValueError("prompts from files need task.files (GLOB,...: .jsonl, .jsonl.gz or .parquet records)")
   bad, known = files.BadRecords(config.on_bad_record), {}
-  records = read(config.files, "task.files", config.verifier, bad, known, images)
+  records = read(config.files, "task.files", config.verifier, bad, known, images, roles)
   if config.eval_files:
-    held_out = read(config.eval_files, "task.eval_files", config.verifier, bad, known, images)
+    held_out = read(config.eval_files, "task.eval_files", config.verifier, bad, known, images, roles)
   else:
     if not 0 < config.eval_prompts < len(records):
       raise files.BadData(f"task.files: {len(records)} records; task.eval_prompts={config.eval_prompts} of them "
@@ -227,17 +228,17 @@ def split_records(config, images: bool = False) -> tuple[list[PromptRecord], lis
 
 class FileTask:
   """The RL stage's task (the interface of `k25jax.stages.rl.AdditionTask`) from prompt files,
-  rendered in `task.rendering` (the chat format)."""
+  rendered in `task.rendering`: k25jax's legacy chat format ("chat") or Kimi K2.5's ("k2.5",
+  where a prompt may open with a system message, else gets the rendering's empty one)."""
 
   def __init__(self, config, max_positions: int):
-    if config.rendering != "chat":
-      raise ValueError(f"task.name='file' renders prompts as chat turns; task.rendering={config.rendering!r} "
-                       "is the addition task's 17-token vocabulary: set task.rendering=chat")
+    if config.rendering not in ROLES:
+      raise ValueError(f"task.name='file' renders prompts as chat turns: task.rendering={config.rendering!r} must be "
+                       f"one of {tuple(ROLES)} ('compact' is the addition task's 17-token vocabulary)")
     self.render = tasks.rendering(config.rendering)
     self.tokenizer = self.render.tokenizer
-    self.format = chat_formats.LegacyFormat(self.tokenizer)
     self.stop_tokens = (self.render.stop_id,)
-    records, held_out, self.scorer = split_records(config)
+    records, held_out, self.scorer = split_records(config, roles=ROLES[config.rendering])
     self.train, self.eval = self._split(records), self._split(held_out)
     longest = max((self.train, self.eval), key=lambda split: split["prompt_length"].max())
     row = int(longest["prompt_length"].argmax())
@@ -247,9 +248,9 @@ class FileTask:
                           f"leaving no room for an answer in model.max_position_embeddings={max_positions}")
 
   def _split(self, records: list[PromptRecord]) -> dict[str, np.ndarray]:
-    prompts = [self.format.prompt(list(r.messages)) for r in records]
+    prompts = [self.render.conversation(r.messages) for r in records]
     lengths = np.array([len(p) for p in prompts], np.int32)
-    tokens = np.full((len(prompts), int(lengths.max())), self.tokenizer.pad_id, np.int32)
+    tokens = np.full((len(prompts), int(lengths.max())), self.render.pad_id, np.int32)
     for row, p in enumerate(prompts):
       tokens[row, :len(p)] = p
     held = np.empty(len(records), object)
@@ -270,7 +271,7 @@ class FileTask:
       row, text = shown[i]
       rows.append((self.train["tokens"][row, :self.train["prompt_length"][row]].tolist(), self.render.completion(text)))
     width = max(len(p) + len(c) for p, c in rows)
-    tokens = np.full((n, width), self.tokenizer.pad_id, np.int32)
+    tokens = np.full((n, width), self.render.pad_id, np.int32)
     mask = np.zeros((n, width), np.float32)
     for j, (p, c) in enumerate(rows):
       tokens[j, :len(p) + len(c)] = p + c

@@ -165,7 +165,11 @@ class ChatRendering:
     self.stop_id, self.pad_id = self.tokenizer.end_id, self.tokenizer.pad_id
 
   def prompt(self, question: str) -> list[int]:
-    tokens, _ = chat.render(self.tokenizer, [chat.Message("user", question)])
+    return self.conversation([{"role": "user", "content": question}])
+
+  def conversation(self, messages: Sequence[dict]) -> list[int]:
+    """User and assistant messages ({"role", "content"}), then the assistant's turn opened."""
+    tokens, _ = chat.render(self.tokenizer, [chat.Message(m["role"], m["content"]) for m in messages])
     return tokens + [self.tokenizer.assistant_id]
 
   def completion(self, text: str) -> list[int]:
@@ -197,8 +201,13 @@ class K25Rendering:
     self.stop_id, self.pad_id = self.tokenizer.special[k25_chat.IM_END], tokenizer_lib.PAD_ID
 
   def prompt(self, question: str) -> list[int]:
-    return k25_chat.render_ids(self.tokenizer, [self.SYSTEM, {"role": "user", "content": question}],
-                               add_generation_prompt=True)[0]
+    return self.conversation([{"role": "user", "content": question}])
+
+  def conversation(self, messages: Sequence[dict]) -> list[int]:
+    """Messages in the OpenAI shape (the empty system turn first unless they start with one),
+    then the generation prompt."""
+    head = [] if messages and messages[0]["role"] == "system" else [self.SYSTEM]
+    return k25_chat.render_ids(self.tokenizer, head + list(messages), add_generation_prompt=True)[0]
 
   def completion(self, text: str) -> list[int]:
     return self.tokenizer.encode(text) + [self.stop_id]

@@ -78,7 +78,7 @@ def sampling_config(config, task) -> sampler.SamplingConfig:
   rl = config.rl
   return sampler.SamplingConfig(max_new_tokens=min(rl.max_new_tokens, task.max_new_tokens), temperature=rl.temperature,
                                 top_k=rl.top_k, top_p=rl.top_p, stop_tokens=task.stop_tokens,
-                                pad_id=task.tokenizer.pad_id)
+                                pad_id=task.render.pad_id)
 
 
 # ---------------------------------------------------------------------------- rollouts
@@ -131,7 +131,7 @@ def collector(config, model_cfg, task, sampling, budgets: np.ndarray):
                                   samples["lengths"], samples["logprobs"])
     seq_len = samples["prompts"].shape[1] + samples["tokens"].shape[1] - 1
     return driver.Rollouts(
-        rollout.loss_rows(responses, seq_len, task.tokenizer.pad_id), rewards,
+        rollout.loss_rows(responses, seq_len, task.render.pad_id), rewards,
         {"reward": float(samples["reward"].mean()), "shaped_reward": float(rewards.mean()),
          "accuracy": float(samples["correct"].mean()), "mean_length": float(samples["length"].mean()),
          "unparsable": int(samples["num_unparsable"]), "toggle_phase": phase,
@@ -180,9 +180,9 @@ def check(config) -> None:
     raise ValueError(f"task.name={config.task.name!r}; choose from {TASKS} (image tasks: configs/rl.py:vision, "
                      "the rl_vision stage)")
   if config.task.name == "file":
-    if config.task.rendering != "chat" or not config.task.files:
-      raise ValueError("task.name='file' needs task.files (GLOB,...) and task.rendering='chat', got "
-                       f"files={config.task.files!r}, rendering={config.task.rendering!r}")
+    if config.task.rendering not in prompt_files.ROLES or not config.task.files:
+      raise ValueError(f"task.name='file' needs task.files (GLOB,...) and task.rendering in {tuple(prompt_files.ROLES)}"
+                       f", got files={config.task.files!r}, rendering={config.task.rendering!r}")
     verifiers.get(config.task.verifier)      # the default verifier imports (ValueError naming it)
     if config.task.on_bad_record not in files.ON_BAD_RECORD:
       raise ValueError(f"task.on_bad_record={config.task.on_bad_record!r}: must be one of {files.ON_BAD_RECORD}")
