@@ -316,15 +316,16 @@ def test_the_stage_checks_a_file_tasks_fields():
 
 @pytest.mark.slow
 def test_main_runs_rl_on_a_prompt_file_and_a_bad_record_exits_2_in_one_line(tmp_path):
-  """`python -m k25jax.main --config=configs/rl.py --config.task.name=file ...`: a short warm
-  start on the records' answers, two RL iterations graded by the math verifier, an evaluation
-  on the held-out file; then a file with a bad record: exit 2, one line naming it."""
+  """`python -m k25jax.main --config=configs/rl.py:tiny,k25_format --config.task.name=file ...`
+  (Kimi K2.5's chat format): a short warm start on the records' answers, two RL iterations
+  graded by the math verifier, an evaluation on the held-out file; then a file with a bad
+  record: exit 2, one line naming it."""
   rng = np.random.default_rng(0)
   pairs = rng.integers(0, 10, (80, 2))
   train = _write_jsonl(tmp_path / "train.jsonl", [{"prompt": f"{a}+{b}=", "answer": str(a + b), "verifier": "math"}
                                                   for a, b in pairs[:64]])
   held = _write_jsonl(tmp_path / "held.jsonl", [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs[64:]])
-  common = [sys.executable, "-m", "k25jax.main", "--config=configs/rl.py", "--config.task.name=file",
+  common = [sys.executable, "-m", "k25jax.main", "--config=configs/rl.py:tiny,k25_format", "--config.task.name=file",
             f"--config.task.eval_files={held}", "--config.task.verifier=math"]
   flags = ["--config.warm_start.steps=30", "--config.warm_start.demonstrations=256", "--config.warm_start.batch=32",
            "--config.train.steps=2", "--config.rl.prompts_per_iteration=4", "--config.train.eval_every=2",
