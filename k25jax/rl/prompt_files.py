@@ -9,10 +9,11 @@
     {"messages": [{"role": "user", "content": "..."}], "tests": ["assert f(2) == 4"],
      "verifier": "python_tests", "completion": "def f(x):\\n  return x * x"}
 
-A record has `prompt` (text) or `messages` (user and assistant turns, the last one the user's),
-the fields its verifier reads (`k25jax.rl.verifiers`: `answer`, `tests`, `tolerance`) and
-anything else a user's verifier wants. The prompt is rendered in the run's chat format (the
-user message, then the assistant's turn opened); the completion is graded by the record's
+A record has `prompt` (text) or `messages` (user and assistant turns, the last one the user's;
+a system turn first in the K2.5 format), the fields its verifier reads (`k25jax.rl.verifiers`:
+`answer`, `tests`, `tolerance`) and anything else a user's verifier wants. The prompt is
+rendered in the run's chat format, `task.rendering` (k25jax's legacy `chat` or Kimi's `k2.5`:
+the messages, then the assistant's turn opened); the completion is graded by the record's
 verifier on the text before the stop token (a completion without one, or a tool call, is
 unparsable and scores 0). `correct` (accuracy, Toggle's gate) is a reward of 1 or more.
 
@@ -27,8 +28,8 @@ holds it as `img_1`), each episode's final answer scored by the record's verifie
 
 A file that cannot be read, a glob that matches nothing, a bad record (not an object, no or
 both of prompt and messages, a malformed message, an image in the text stage, messages or a
-missing image in rl_vision, a field its verifier needs), an
-unknown verifier and a verifier that raises or returns no finite number end in `BadData`, one
+missing image in rl_vision, a field its verifier needs), an unknown verifier, a prompt too
+long for the model and a verifier that raises or returns no finite number end in `BadData`, one
 line naming the file and line (`python -m k25jax.main` exits 2); with `task.on_bad_record=skip`
 bad records are skipped and counted (one warning once the files are read), and a verifier
 that raises scores 0 with a warning naming the record. An image that does not decode is
