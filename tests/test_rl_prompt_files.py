@@ -97,12 +97,12 @@ def test_records_read_from_jsonl_gzip_and_parquet(tmp_path, fmt):
   if fmt == "parquet":
     import pyarrow as pa
     import pyarrow.parquet as pq
-    pq.write_table(pa.Table.from_pylist(RECORDS), path)
+    pq.write_table(pa.Table.from_pylist(RECORDS + [{"prompt": "9+9=", "answer": "18", "image": None}]), path)
   else:
-    _write_jsonl(path, RECORDS, gzip.open if fmt.endswith("gz") else open)
+    _write_jsonl(path, RECORDS + [{"prompt": "9+9=", "answer": "18"}], gzip.open if fmt.endswith("gz") else open)
   records = prompt_files.read(str(path), "task.files", "exact", files.BadRecords(), {})
-  assert [r.prompt for r in records] == ["1+2=", "3+4=", "5+6="]
-  assert [r.verifier for r in records] == ["math"] * 3 and records[1].demonstration == "7"
+  assert [r.prompt for r in records] == ["1+2=", "3+4=", "5+6=", "9+9="]      # Parquet: a null column is absent
+  assert [r.verifier for r in records] == ["math"] * 3 + ["exact"] and records[1].demonstration == "7"
   assert records[2].where == (f"{path}:row 2" if fmt == "parquet" else f"{path}:3")
 
 

@@ -84,7 +84,8 @@ def _rows(path: str):
       rows = pq.read_table(path).to_pylist()
     except (OSError, pa.ArrowException) as e:
       raise files.BadData(f"{path}: unreadable ({type(e).__name__}: {e})") from None
-    yield from ((f"{path}:row {i}", row) for i, row in enumerate(rows))
+    for i, row in enumerate(rows):     # a column's null in this row: the field is absent, as in JSONL
+      yield f"{path}:row {i}", {k: v for k, v in row.items() if v is not None}
     return
   opener = gzip.open if path.endswith(".gz") else open
   try:
