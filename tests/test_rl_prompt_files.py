@@ -298,6 +298,18 @@ def test_an_image_that_does_not_decode_is_named_when_drawn(tmp_path):
     broken.images
 
 
+def test_a_shared_warm_start_follows_the_files_contents_not_only_their_names(tmp_path):
+  from configs import rl as rl_config
+  from k25jax.stages import rl
+  path = _write_jsonl(tmp_path / "p.jsonl", RECORDS)
+  config = rl_config.get_config()
+  config.task.update(name="file", files=path, eval_prompts=1)
+  key = rl.warm_start_key(config)
+  assert rl.warm_start_key(config) == key
+  _write_jsonl(tmp_path / "p.jsonl", RECORDS[::-1])
+  assert rl.warm_start_key(config) != key
+
+
 # ------------------------------------------------------------------------- the RL stage
 def test_the_stage_checks_a_file_tasks_fields():
   from configs import rl as rl_config

@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gzip
+import hashlib
 import json
 import math
 import os
@@ -206,6 +207,20 @@ class Scorer:
       logging.warning("%s; scored 0 (task.on_bad_record=skip)", message)
       return 0.0
     return reward
+
+
+def files_digest(config) -> str:
+  """A hash of the contents of every file `task.files` and `task.eval_files` match, in order:
+  what a warm start trained on them depends on beyond the config."""
+  digest = hashlib.sha1()
+  for spec, field in ((config.files, "task.files"), (config.eval_files, "task.eval_files")):
+    for pattern, _ in files.parse(spec, field, weights=False) if spec else ():
+      for path in files.matching(pattern, field):
+        with open(path, "rb") as f:
+          digest.update(path.encode() + b"\0")
+          for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+  return digest.hexdigest()
 
 
 def split_records(config, images: bool = False, roles: tuple[str, ...] = ROLES["chat"]

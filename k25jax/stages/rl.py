@@ -151,9 +151,12 @@ def builtin_warm_start(config, model, task, mesh, workdir: str):
 
 
 def warm_start_key(config) -> str:
-  """What the built-in warm start depends on: a hash of the model, task and warm_start sections."""
-  sections = json.dumps([config.model.to_dict(), config.task.to_dict(), config.warm_start.to_dict()], sort_keys=True)
-  return hashlib.sha1(sections.encode()).hexdigest()[:12]
+  """What the built-in warm start depends on: a hash of the model, task and warm_start sections
+  (and of a file task's files, `prompt_files.files_digest`)."""
+  data = [config.model.to_dict(), config.task.to_dict(), config.warm_start.to_dict()]
+  if config.task.name == "file":
+    data.append(prompt_files.files_digest(config.task))
+  return hashlib.sha1(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def shared_warm_start(config, root: str) -> str:
