@@ -89,6 +89,7 @@ def test_length_limit_stops_before_a_turn_that_cannot_fit(pool):
   assert t.finish == "length_limit" and len(t.tokens) + 20 > 80 and t.answer is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mixed", [False, True])
 def test_sampled_logprobs_match_the_k25_training_path_over_several_turns(pool, mixed):
   """mixed: every other episode is a text-only addition task (no image, no media block),

@@ -136,6 +136,7 @@ def _two_sources(tmp_path) -> tuple[str, str]:
   return a, b
 
 
+@pytest.mark.slow
 def test_the_mixture_draws_each_sources_tokens_in_its_weight(tmp_path):
   a, b = _two_sources(tmp_path)
   mixed, _ = files.load(_data(f"{a}:3,{b}:1"))

@@ -79,6 +79,7 @@ def test_stream_and_batches_are_the_samplers_greedy_tokens_from_the_workdir_and_
   assert saved_model.load(workdir).tokenizer.vocab_size == saved_model.load(folder).tokenizer.vocab_size == 268
 
 
+@pytest.mark.slow
 def test_the_chat_keeps_the_conversation_and_stops_at_an_empty_line(legacy_run):
   """Two turns: the second prompt holds the first turn and its answer; an empty line ends the chat."""
   saved = saved_model.load(legacy_run[0])

@@ -53,6 +53,7 @@ def config_from(path, steps=20):
   return config
 
 
+@pytest.mark.slow
 def test_the_model_section_comes_from_the_folder_and_the_params_too(folder):
   path, model = folder
   config = config_from(path)

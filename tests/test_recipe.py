@@ -87,6 +87,7 @@ def chain(tmp_path_factory):
           {name: dict(np.load(root / f"{name}.npz")) for name in recipe.STAGES})
 
 
+@pytest.mark.slow
 def test_a_text_model_starts_from_a_k25_runs_language_model(tmp_path):
   configs = recipe.stage_configs("test")
   k25_model, text_model = _model(configs["sft"]), _model(configs["text_pretrain"])

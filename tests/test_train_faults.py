@@ -159,6 +159,7 @@ BAD_FIELDS = ["--config.train.checkpoint_every=0", "--config.train.batch=0", "--
               "--config.rl.num_generations=1", "--config.optimizer.warmup_steps=500"]
 
 
+@pytest.mark.slow
 def test_a_bad_config_field_fails_in_one_line_before_anything_runs():
   """Each bad field in its own `main` process (all started at once: most of each is importing jax)."""
   processes = {}
