@@ -324,6 +324,10 @@ def test_the_stage_checks_a_file_tasks_fields():
   config.task.update(verifier="math", on_bad_record="ignore")
   with pytest.raises(ValueError, match="task.on_bad_record='ignore'"):
     rl.check(config)
+  from k25jax.stages import rl_vision
+  vision = _vision_config(files="v.jsonl", verifier="my_module_is_missing:f")
+  with pytest.raises(ValueError, match="cannot import my_module_is_missing"):
+    rl_vision.check(vision)
 
 
 @pytest.mark.slow

@@ -209,6 +209,14 @@ class Scorer:
     return reward
 
 
+def check(config) -> None:
+  """The fields of a task section with `task.files` that can be checked before reading them:
+  its default verifier imports, `on_bad_record` is one of files.ON_BAD_RECORD (ValueError naming it)."""
+  verifiers.get(config.verifier)
+  if config.on_bad_record not in files.ON_BAD_RECORD:
+    raise ValueError(f"task.on_bad_record={config.on_bad_record!r}: must be one of {files.ON_BAD_RECORD}")
+
+
 def files_digest(config) -> str:
   """A hash of the contents of every file `task.files` and `task.eval_files` match, in order:
   what a warm start trained on them depends on beyond the config."""

@@ -28,9 +28,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from k25jax.data import chat_formats, files
+from k25jax.data import chat_formats
 from k25jax.model import transformer
-from k25jax.rl import decode, driver, prompt_files, rollout, sampler, tasks, toggle, verifiers
+from k25jax.rl import decode, driver, prompt_files, rollout, sampler, tasks, toggle
 from k25jax.train import config_utils, sharding, trainer as trainer_lib, warm_start as warm_start_lib
 
 
@@ -186,9 +186,7 @@ def check(config) -> None:
     if config.task.rendering not in prompt_files.ROLES or not config.task.files:
       raise ValueError(f"task.name='file' needs task.files (GLOB,...) and task.rendering in {tuple(prompt_files.ROLES)}"
                        f", got files={config.task.files!r}, rendering={config.task.rendering!r}")
-    verifiers.get(config.task.verifier)      # the default verifier imports (ValueError naming it)
-    if config.task.on_bad_record not in files.ON_BAD_RECORD:
-      raise ValueError(f"task.on_bad_record={config.task.on_bad_record!r}: must be one of {files.ON_BAD_RECORD}")
+    prompt_files.check(config.task)
   vocab = tasks.rendering(config.task.rendering).tokenizer.vocab_size
   if config.model.vocab_size != vocab:
     raise ValueError(f"model.vocab_size={config.model.vocab_size} but task.rendering={config.task.rendering!r} "

@@ -36,11 +36,11 @@ import ml_collections
 import numpy as np
 
 from k25jax.agents import tool_rollout
-from k25jax.data import chat_formats, files, legacy_chat as chat, image_tasks
+from k25jax.data import chat_formats, legacy_chat as chat, image_tasks
 from k25jax.data import vision as vision_data
 from k25jax.model import k25
 from k25jax.model.config import K25Config
-from k25jax.rl import driver, prompt_files, rollout, sampler, tasks, toggle, verifiers
+from k25jax.rl import driver, prompt_files, rollout, sampler, tasks, toggle
 from k25jax.train import config_utils, multimodal, sharding, trainer as trainer_lib
 
 ROW_FEATURES = ("inputs", "targets", "positions", "segment_ids", "mask", "old_logp", "advantages", "rewards")
@@ -207,9 +207,7 @@ def evaluate(config, model_cfg, params, tok, pool, split: TaskSplit, per_row: in
 # ------------------------------------------------------------------------------------- run
 def check(config) -> None:
   if config.task.files:
-    verifiers.get(config.task.verifier)      # the default verifier imports (ValueError naming it)
-    if config.task.on_bad_record not in files.ON_BAD_RECORD:
-      raise ValueError(f"task.on_bad_record={config.task.on_bad_record!r}: must be one of {files.ON_BAD_RECORD}")
+    prompt_files.check(config.task)
   if not config.init.checkpoint:
     raise ValueError("the rl_vision stage starts from a K2.5 checkpoint: set init.checkpoint to a workdir of "
                      "configs/sft.py (zero-vision SFT) or of joint pre-training")
