@@ -56,6 +56,8 @@ def test_generation_is_deterministic_and_grading_is_exact():
   assert all(np.array_equal(a.image, b.image) for a, b in zip(again, TASKS))
   assert image_tasks.grade(" Top  left\n", "top left") and not image_tasks.grade("3.0", "3")
   assert not image_tasks.grade(None, "3")
+  task = TASKS[0]
+  assert task.reward(task.answer) == 1.0 and task.reward(task.answer + "0") == 0.0 and task.reward(None) == 0.0
 
 
 def test_bad_requests_name_the_field():

@@ -197,6 +197,7 @@ def test_arithmetic_chat_task_grades_every_correct_form_and_has_no_image():
     for check in (False, True):
       assert task.grade(tasks.addition_answer_text(task.a, task.b, scratch=scratch, check=check))
   assert task.grade(task.answer) and not task.grade(None) and not task.grade("999")
+  assert task.reward(task.answer) == 1.0 and task.reward("999") == 0.0
   assert task.kind in tasks.ABILITIES
 
 

@@ -117,9 +117,10 @@ def _text(path: str, where: str, record, field: str) -> str:
   return text
 
 
-def _jsonl(path: str, field: str, bad: BadRecords) -> list[str]:
+def jsonl_records(path: str, bad: BadRecords):
+  """(line number, parsed JSON) of every non-blank line of a .jsonl or .jsonl.gz file; a line
+  that is not JSON goes to `bad` (raised or skipped), a file that cannot be read is BadData."""
   opener = gzip.open if path.endswith(".gz") else open
-  docs = []
   try:
     with opener(path, "rt", encoding="utf-8") as f:
       for number, line in enumerate(f, start=1):
@@ -130,12 +131,18 @@ def _jsonl(path: str, field: str, bad: BadRecords) -> list[str]:
         except json.JSONDecodeError as e:
           bad.found(f"{path}:{number}: not JSON ({e.msg} at column {e.colno})")
           continue
-        try:
-          docs.append(_text(path, str(number), record, field))
-        except BadData as e:
-          bad.found(str(e))
+        yield number, record
   except (OSError, EOFError, UnicodeDecodeError) as e:
     raise BadData(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+
+
+def _jsonl(path: str, field: str, bad: BadRecords) -> list[str]:
+  docs = []
+  for number, record in jsonl_records(path, bad):
+    try:
+      docs.append(_text(path, str(number), record, field))
+    except BadData as e:
+      bad.found(str(e))
   return docs
 
 

@@ -76,6 +76,10 @@ class ImageTask:
   def grade(self, answer: str | None) -> bool:
     return grade(answer, self.answer)
 
+  def reward(self, answer: str | None) -> float:
+    """The RL reward: 1 for a correct answer, else 0."""
+    return float(self.grade(answer))
+
 
 # ------------------------------------------------------------------------------ drawing
 Rect = tuple[int, int, int, int]   # (y0, x0, y1, x1), half-open

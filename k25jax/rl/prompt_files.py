@@ -39,9 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gzip
 import hashlib
-import json
 import math
 import os
 
@@ -76,8 +74,8 @@ class PromptRecord:
     return str(self.record["answer"]) if self.verifier in DEMONSTRATED else None
 
 
-def _rows(path: str):
-  """(where, record) of every record of one file."""
+def _rows(path: str, bad: files.BadRecords):
+  """(where, record) of every record of one file (a JSONL line that is not JSON: `bad`'s)."""
   if path.endswith(".parquet"):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -88,17 +86,8 @@ def _rows(path: str):
     for i, row in enumerate(rows):     # a column's null in this row: the field is absent, as in JSONL
       yield f"{path}:row {i}", {k: v for k, v in row.items() if v is not None}
     return
-  opener = gzip.open if path.endswith(".gz") else open
-  try:
-    with opener(path, "rt", encoding="utf-8") as f:
-      for number, line in enumerate(f, start=1):
-        if line.strip():
-          try:
-            yield f"{path}:{number}", json.loads(line)
-          except json.JSONDecodeError as e:
-            yield f"{path}:{number}", files.BadData(f"{path}:{number}: not JSON ({e.msg} at column {e.colno})")
-  except (OSError, EOFError, UnicodeDecodeError) as e:
-    raise files.BadData(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+  for number, record in files.jsonl_records(path, bad):
+    yield f"{path}:{number}", record
 
 
 def _messages(record: dict, images: bool, roles: tuple[str, ...]) -> tuple[dict, ...] | str:
@@ -156,10 +145,7 @@ def read(spec: str, field: str, default_verifier: str, bad: files.BadRecords, kn
   out = []
   for pattern, _ in files.parse(spec, field, weights=False):
     for path in files.matching(pattern, field):
-      for where, record in _rows(path):
-        if isinstance(record, files.BadData):
-          bad.found(str(record))
-          continue
+      for where, record in _rows(path, bad):
         if not isinstance(record, dict):
           bad.found(f"{where}: not a JSON object")
           continue
@@ -311,9 +297,8 @@ class FileTask:
     reward = np.array([0.0 if text is None else self.scorer.score(record, text)
                        for record, text in zip(split["record"][rows], texts)], np.float32)
     unparsable = np.array([text is None for text in texts], bool)
-    is_stop = completions == self.render.stop_id
-    length = np.where(is_stop.any(axis=1), is_stop.argmax(axis=1) + 1, completions.shape[1]).astype(np.int32)
-    return {"reward": reward, "correct": reward >= 1.0, "unparsable": unparsable, "length": length,
+    return {"reward": reward, "correct": reward >= 1.0, "unparsable": unparsable,
+            "length": tasks.completion_lengths(completions, self.render.stop_id),
             "num_unparsable": int(unparsable.sum())}
 
 

@@ -302,6 +302,12 @@ def parse_addition(completion, render=COMPACT) -> int | None:
   return parse_addition_text(render.completion_text(completion))
 
 
+def completion_lengths(completions: np.ndarray, stop_id: int) -> np.ndarray:
+  """int32 [n]: each row's tokens up to and including its first `stop_id` (the row's width if none)."""
+  is_stop = completions == stop_id
+  return np.where(is_stop.any(axis=1), is_stop.argmax(axis=1) + 1, completions.shape[1]).astype(np.int32)
+
+
 def grade_addition(completions, a, b, render=COMPACT) -> dict:
   """Rewards for a batch of generated completions: 1 if the parsed answer is a + b, else 0.
 
@@ -320,10 +326,8 @@ def grade_addition(completions, a, b, render=COMPACT) -> dict:
   answers = [parse_addition(row, render) for row in completions]
   unparsable = np.array([ans is None for ans in answers], bool)
   correct = np.array([ans is not None and ans == x + y for ans, x, y in zip(answers, a, b)], bool)
-  is_stop = completions == render.stop_id
-  length = np.where(is_stop.any(axis=1), is_stop.argmax(axis=1) + 1, completions.shape[1]).astype(np.int32)
   return {"reward": correct.astype(np.float32), "correct": correct, "unparsable": unparsable,
-          "length": length, "num_unparsable": int(unparsable.sum())}
+          "length": completion_lengths(completions, render.stop_id), "num_unparsable": int(unparsable.sum())}
 
 
 # --- 2-digit addition as a chat task (joint RL) ------------------------------------------------
@@ -353,6 +357,10 @@ class ArithmeticTask:
 
   def grade(self, answer: str | None) -> bool:
     return parse_addition_text(answer) == self.a + self.b
+
+  def reward(self, answer: str | None) -> float:
+    """The RL reward: 1 for a correct answer, else 0."""
+    return float(self.grade(answer))
 
 
 def arithmetic_tasks(n: int, seed: int, exclude: frozenset = frozenset()) -> list[ArithmeticTask]:

@@ -11,8 +11,8 @@ and K episodes each (`k25jax.rl.driver` does the rest):
     episode  = multi-turn rollout under π_old (`k25jax.agents.tool_rollout`): with the tool
                (`rl.tool`), the model's code runs in a sandbox session holding the task's
                images; without it, a call gets an error observation and the model must answer itself
-    r_j      = 1[task.grade(answer_j)]                     (exact answer; addition: any correct form;
-               a record of the user's files, `task.files`: its verifier's score, k25jax/rl/prompt_files.py)
+    r_j      = task.reward(answer_j)                       (1[correct]: exact answer; addition: any correct
+               form; a record of the user's files, `task.files`: its verifier's score, k25jax/rl/prompt_files.py)
     r_j     ← r_j · 1[acc(x) < λ  or  |y_j| ≤ budget(x)]   with Toggle (`toggle.enabled`), in phase 0
                (`k25jax.rl.toggle`; |y_j| the episode's generated tokens, budgets from the start)
     A_j      = r_j − mean_k r_k,  θ ← θ − η ∇ L_K2.5(θ)  over the generated tokens only (tool
@@ -114,12 +114,6 @@ class TaskSplit:
     return max([m.pixel_values.shape[0] for m in self.items if m is not None], default=1)
 
 
-def reward_of(task, answer: str | None) -> float:
-  """An episode's reward: a file record's verifier score (`prompt_files.VisionPromptTask.reward`),
-  else 1 for a correct answer and 0 otherwise."""
-  return task.reward(answer) if isinstance(task, prompt_files.VisionPromptTask) else float(task.grade(answer))
-
-
 def ability_metrics(transcripts, split_tasks) -> dict[str, float]:
   """Accuracy and generated tokens per ability (`tasks.ABILITIES`) of the episodes."""
   out = {}
@@ -167,7 +161,7 @@ def collector(config, model_cfg: K25Config, tok, pool, split: TaskSplit, per_row
     episodes = split.take(np.repeat(rows, k))
     transcripts = play(config, model_cfg, params, tok, pool, episodes, temperature=r.temperature,
                        seed=seed * 7919 + it, per_row=per_row)
-    reward = np.array([reward_of(task, t.answer) for t, task in zip(transcripts, episodes.tasks)], np.float32)
+    reward = np.array([task.reward(t.answer) for t, task in zip(transcripts, episodes.tasks)], np.float32)
     correct = np.array([task.grade(t.answer) for t, task in zip(transcripts, episodes.tasks)], bool)
     lengths = np.array([sum(t.loss_mask) for t in transcripts], np.float32)
     shaped, phase = toggle.shape_rewards(config.toggle, k, it, reward, correct, lengths,
