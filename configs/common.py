@@ -49,6 +49,7 @@ from k25jax.model import config as model_config
 # chat vocabulary (bytes, media, role and tool tokens: 268 ids, `k25jax.data.legacy_chat`), long
 # enough for the zero-vision trajectories and a few tool turns.
 CHAT_VOCAB_SIZE = 268
+K25_FORMAT_VOCAB_SIZE = 275   # the K2.5 chat format over bytes (k25jax.data.tokenizer.ByteTokenizer(media, chat))
 TINY_CHAT_TEXT = dict(vocab_size=CHAT_VOCAB_SIZE, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
                       num_hidden_layers=2, num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2,
                       q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32,

@@ -48,7 +48,6 @@ TINY_MODEL = dict(vocab_size=common.CHAT_VOCAB_SIZE, hidden_size=64, intermediat
                   q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                   max_position_embeddings=64)
 COMPACT_VOCAB_SIZE = 17   # the addition task's compact rendering (k25jax.rl.tasks.ADDITION_VOCAB)
-K25_FORMAT_VOCAB_SIZE = 275   # the K2.5 chat format over bytes (k25jax.data.tokenizer.ByteTokenizer(media, chat))
 
 
 def get_config(arg=None):
@@ -67,7 +66,7 @@ def get_config(arg=None):
   c.stage = "rl"
   pod = dict(scan_layers=True, remat_policy="full", moe_impl="ragged_dot", attention_impl="pallas")
   rendering = "compact" if "compact" in switches else "k2.5" if "k25_format" in switches else "chat"
-  vocab = {"compact": COMPACT_VOCAB_SIZE, "k2.5": K25_FORMAT_VOCAB_SIZE, "chat": TINY_MODEL["vocab_size"]}[rendering]
+  vocab = {"compact": COMPACT_VOCAB_SIZE, "k2.5": common.K25_FORMAT_VOCAB_SIZE, "chat": TINY_MODEL["vocab_size"]}[rendering]
   tiny = {**TINY_MODEL, "vocab_size": vocab}
   c.model = common.model_section("k25", **pod) if k25 else common.model_section("tiny", **tiny)
   c.init = common.init_section()       # init.checkpoint: a workdir of the same model; '' = the warm start below

@@ -18,6 +18,14 @@ evaluation. `data.text_replay` / `data.vision_replay` mix pre-training rows in a
 forgetting (text documents, loss on every token; joint pre-training image samples, loss on
 the answer, in `train.visual_batch` rows): the recipe's SFT uses both (configs/recipe.py).
 The optimizer is MuonClip (`--config.optimizer.name=adamw` switches).
+
+Switch `files` (`configs/sft.py:tiny,files --config.data.files=GLOB`): SFT on your own chats
+(`k25jax/data/chat_files.py`: JSONL or Parquet records `{"messages", "tools"}` in the OpenAI
+shape, images as `{"type": "image", "image": PATH}` parts), rendered in Kimi K2.5's chat
+format by the run's tokenizer (`data.tokenizer`: the byte tokenizer with the K2.5 chat tokens,
+275 ids, or `auto` / `tiktoken` / `tokenizers` with `data.vocab_file` or init.hf_checkpoint's
+folder), the loss on the assistant's tokens; held-out loss and token accuracy on
+`data.eval_files` (or every `data.eval_every`-th record) every `train.eval_every` steps.
 """
 import ml_collections
 
@@ -25,17 +33,24 @@ from configs import common
 
 
 def get_config(arg=None):
-  preset, switches = common.preset_and_switches(arg, "configs/sft.py", ("tiny",), ("visual", "arithmetic"))
+  preset, switches = common.preset_and_switches(arg, "configs/sft.py", ("tiny",), ("visual", "arithmetic", "files"))
   c = ml_collections.ConfigDict()
   c.stage = "sft"
-  c.model = common.k25_model_section(preset, **common.TINY_CHAT_TEXT)
+  vocab = common.K25_FORMAT_VOCAB_SIZE if "files" in switches else common.CHAT_VOCAB_SIZE
+  c.model = common.k25_model_section(preset, **{**common.TINY_CHAT_TEXT, "vocab_size": vocab})
   c.init = common.init_section(k25=True)
 
   c.data = ml_collections.ConfigDict(dict(
+      source="files" if "files" in switches else "zero_vision",
+      # data.source=files (k25jax/data/chat_files.py): your chats in the K2.5 chat format
+      files="", eval_files="", eval_every=10, on_bad_record="error", thinking=False,
+      tokenizer="bytes", vocab_file="",
       trajectories=3000, seed=0, image_size=56,
       kinds="count,locate,compare,read",   # comma-separated subset of k25jax.data.image_tasks.KINDS
       p_two_calls=0.25,                    # share of trajectories whose program takes two tool calls
-      max_length=320,                      # tokens per trajectory (the longest are ~275)
+      # tokens per trajectory (the longest are ~275); a chat of data.files (a tool declaration and
+      # the K2.5 default system turn alone take ~250)
+      max_length=512 if "files" in switches else 320,
       visual_sft="visual" in switches,     # add image + question → answer examples (text+vision SFT)
       visual_examples=3000,
       arithmetic_examples=3000 if "arithmetic" in switches else 0,   # 2-digit addition chats (joint RL's text)
@@ -43,7 +58,7 @@ def get_config(arg=None):
       vision_replay=0))  # joint pre-training image samples (loss on the answer), in train.visual_batch rows
 
   c.train = ml_collections.ConfigDict(dict(
-      steps=1000, batch=16, visual_batch=8, seed=0, log_every=50, checkpoint_every=200,
+      steps=1000, batch=16, visual_batch=8, seed=0, log_every=50, eval_every=100, checkpoint_every=200,
       checkpoint_minutes=0.0, keep_checkpoints=2,
       router_bias_rate=1e-3, balance_loss_alpha=1e-4, z_loss=0.0, max_consecutive_skipped=10))
   c.optimizer = common.optimizer_section(3e-3, 30, 300, name="muonclip")

@@ -136,6 +136,24 @@ def jsonl_records(path: str, bad: BadRecords):
     raise BadData(f"{path}: unreadable ({type(e).__name__}: {e})") from None
 
 
+def records(path: str, bad: BadRecords):
+  """(where, record) of every record of one .jsonl, .jsonl.gz or .parquet file, `where` being
+  "path:line" or "path:row N"; a Parquet row's null columns are left out (the field is absent,
+  as in JSONL). A JSONL line that is not JSON goes to `bad`; a file that cannot be read is BadData."""
+  if path.endswith(".parquet"):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    try:
+      rows = pq.read_table(path).to_pylist()
+    except (OSError, pa.ArrowException) as e:
+      raise BadData(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+    for i, row in enumerate(rows):
+      yield f"{path}:row {i}", {k: v for k, v in row.items() if v is not None}
+    return
+  for number, record in jsonl_records(path, bad):
+    yield f"{path}:{number}", record
+
+
 def _jsonl(path: str, field: str, bad: BadRecords) -> list[str]:
   docs = []
   for number, record in jsonl_records(path, bad):

@@ -17,15 +17,12 @@ FEATURES = (("inputs", np.int32), ("targets", np.int32), ("loss_mask", np.float3
             ("segment_ids", np.int32))
 
 
-def pack(tokens: np.ndarray, weights: np.ndarray, lengths: np.ndarray, share_rows: bool = True
-         ) -> dict[str, np.ndarray]:
-  """Right-padded sequences [n, L] → packed next-token rows [rows, L − 1] (module docstring):
-  inputs, targets, loss_mask, positions and segment_ids (1..k, 0 = padding). With
-  share_rows=False every sequence gets a row of its own."""
-  width = tokens.shape[1] - 1
+def assign(lengths: np.ndarray, width: int, share_rows: bool = True) -> list[list[int]]:
+  """The sequences of each packed row (module docstring), in segment order: best fit, longest
+  first, into rows of `width` positions (a sequence of length n takes n − 1)."""
   rows: list[list[int]] = []
   by_room: list[list[int]] = [[] for _ in range(width + 1)]   # rows by their free positions
-  for i in sorted(range(len(tokens)), key=lambda i: (-int(lengths[i]), i)):
+  for i in sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i)):
     need = int(lengths[i]) - 1
     fits = next((f for f in range(need, width + 1) if by_room[f]), None) if share_rows else None
     if fits is None:                       # best fit: the row with the least room that suffices
@@ -35,6 +32,17 @@ def pack(tokens: np.ndarray, weights: np.ndarray, lengths: np.ndarray, share_row
       r = by_room[fits].pop()
       rows[r].append(i)
       by_room[fits - need].append(r)
+  return rows
+
+
+def pack(tokens: np.ndarray, weights: np.ndarray, lengths: np.ndarray, share_rows: bool = True,
+         rows: list[list[int]] | None = None) -> dict[str, np.ndarray]:
+  """Right-padded sequences [n, L] → packed next-token rows [rows, L − 1] (module docstring):
+  inputs, targets, loss_mask, positions and segment_ids (1..k, 0 = padding). With
+  share_rows=False every sequence gets a row of its own; `rows` (from `assign`) gives the
+  packing instead."""
+  width = tokens.shape[1] - 1
+  rows = assign(lengths, width, share_rows) if rows is None else rows
   out = {name: np.zeros((len(rows), width), dtype) for name, dtype in FEATURES}
   for r, members in enumerate(rows):
     at = 0

@@ -74,22 +74,6 @@ class PromptRecord:
     return str(self.record["answer"]) if self.verifier in DEMONSTRATED else None
 
 
-def _rows(path: str, bad: files.BadRecords):
-  """(where, record) of every record of one file (a JSONL line that is not JSON: `bad`'s)."""
-  if path.endswith(".parquet"):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    try:
-      rows = pq.read_table(path).to_pylist()
-    except (OSError, pa.ArrowException) as e:
-      raise files.BadData(f"{path}: unreadable ({type(e).__name__}: {e})") from None
-    for i, row in enumerate(rows):     # a column's null in this row: the field is absent, as in JSONL
-      yield f"{path}:row {i}", {k: v for k, v in row.items() if v is not None}
-    return
-  for number, record in files.jsonl_records(path, bad):
-    yield f"{path}:{number}", record
-
-
 def _messages(record: dict, images: bool, roles: tuple[str, ...]) -> tuple[dict, ...] | str:
   """The prompt as messages of `roles`, or what is wrong with it (`images`: the rl_vision
   stage's records, a `prompt` and an optional image)."""
@@ -145,7 +129,7 @@ def read(spec: str, field: str, default_verifier: str, bad: files.BadRecords, kn
   out = []
   for pattern, _ in files.parse(spec, field, weights=False):
     for path in files.matching(pattern, field):
-      for where, record in _rows(path, bad):
+      for where, record in files.records(path, bad):
         if not isinstance(record, dict):
           bad.found(f"{where}: not a JSON object")
           continue

@@ -17,6 +17,15 @@
 The model is the K2.5 model; without rows with an image only the language model gets gradients.
 Trajectories are generated once and kept in the workdir (`sft_data_<fingerprint>.npz`),
 so a resumed run trains on the same data in the same order.
+
+`data.source=files` trains on the user's chats instead (`run_files`):
+
+    data   = chat_files.load(...)         JSONL / Parquet chats rendered in the K2.5 chat format
+                                          by the run's tokenizer, loss on the assistant's tokens
+    θ      ← the same SFT loss over packed rows (k25jax.train.chat_rows; rows with images
+             carry their media)
+    eval   = held-out loss and token accuracy on the assistant's tokens of the held-out chats,
+             before training and every train.eval_every steps
 """
 from __future__ import annotations
 
@@ -30,12 +39,14 @@ import numpy as np
 from absl import logging
 
 from k25jax.agents import tool_rollout
-from k25jax.data import chat_formats, legacy_chat as chat, image_tasks, packing, sources, visual_synthetic, zero_vision
+from k25jax.data import chat_files, chat_formats, files as files_lib, legacy_chat as chat, image_tasks, packing, sources
+from k25jax.data import tokenizer as tokenizer_lib, visual_synthetic, zero_vision
 from k25jax.data import vision as vision_data
 from k25jax.model import k25
 from k25jax.model.config import K25Config
 from k25jax.rl import sampler, tasks as rl_tasks
-from k25jax.train import checkpoint, config_utils, multimodal, objective, optimizer, sharding, trainer as trainer_lib
+from k25jax.train import chat_rows, checkpoint, config_utils, loop, multimodal, objective, optimizer, sharding
+from k25jax.train import trainer as trainer_lib
 
 FEATURES = tuple(name for name, _ in packing.FEATURES)
 
@@ -261,9 +272,14 @@ def print_summary(results: dict[str, dict], n_tasks: int) -> None:
 
 
 # ------------------------------------------------------------------------------------- run
+SOURCES = ("zero_vision", "files")
+ZERO_VISION_ONLY = ("visual_sft", "arithmetic_examples", "text_replay", "vision_replay")
+
+
 def check(config) -> None:
   """The stage's config check (before anything is built): the schedule fits the run; the
-  trajectories and the evaluation's contexts fit the model's positions."""
+  trajectories and the evaluation's contexts fit the model's positions; the data source's
+  fields agree with it."""
   trainer_lib.check(config)
   positions = config.model.text.max_position_embeddings
   if config.eval.max_context > positions:
@@ -271,6 +287,28 @@ def check(config) -> None:
                      f"{positions}")
   if config.data.max_length > positions + 1:
     raise ValueError(f"config: data.max_length={config.data.max_length} exceeds model.text.max_position_embeddings + 1")
+  d = config.data
+  if d.source not in SOURCES:
+    raise ValueError(f"config: data.source={d.source!r}: must be one of {SOURCES}")
+  if d.source == "zero_vision":
+    for name in ("files", "eval_files", "vocab_file"):
+      if d[name]:
+        raise ValueError(f"config: data.{name} is read with data.source='files' (configs/sft.py:tiny,files)")
+    if d.tokenizer != "bytes":
+      raise ValueError("config: data.tokenizer: the zero-vision trajectories are rendered by k25jax's legacy chat "
+                       "tokenizer; other tokenizers go with data.source='files'")
+    return
+  for name in ZERO_VISION_ONLY:
+    if d[name]:
+      raise ValueError(f"config: data.{name}={d[name]!r} belongs to data.source='zero_vision'; data.source='files' "
+                       "trains on the files' chats alone")
+  if not d.files:
+    raise ValueError("config: data.source='files' needs data.files (GLOB,...: .jsonl, .jsonl.gz or .parquet chats)")
+  if d.on_bad_record not in files_lib.ON_BAD_RECORD:
+    raise ValueError(f"config: data.on_bad_record={d.on_bad_record!r}: must be one of {files_lib.ON_BAD_RECORD}")
+  if d.tokenizer != "bytes" and not (d.vocab_file or config.init.hf_checkpoint):
+    raise ValueError(f"config: data.tokenizer={d.tokenizer!r} needs data.vocab_file or init.hf_checkpoint (a folder "
+                     "with the tokenizer)")
 
 
 def check_built(config, model_cfg: K25Config, tok: chat.ChatTokenizer, mesh) -> None:
@@ -285,8 +323,10 @@ def check_built(config, model_cfg: K25Config, tok: chat.ChatTokenizer, mesh) -> 
 def run(config: ml_collections.ConfigDict, workdir: str):
   """Data, SFT (resumable), then held-out rollouts; writes workdir/sft_eval.json (results by
   setting). Returns (state, history): the logged train records, then one `eval/<setting>`
-  record a setting."""
+  record a setting. `data.source=files`: `run_files`."""
   check(config)
+  if config.data.source == "files":
+    return run_files(config, workdir)
   tok = chat.ChatTokenizer()
   model = k25.K25(config_utils.k25_config_from(config.model, tok))
   mesh = sharding.make_mesh(config.mesh.to_dict())
@@ -325,4 +365,69 @@ def run(config: ml_collections.ConfigDict, workdir: str):
     with open(os.path.join(workdir, "sft_eval.json"), "w") as f:
       json.dump(results, f, indent=1)
   print_summary(results, config.eval.tasks)
+  return state, history
+
+
+# ------------------------------------------------------------------------- your own chats
+def chat_tokenizer(config):
+  """data.source=files's tokenizer: the byte tokenizer with media and the K2.5 chat tokens, or
+  `data.tokenizer` from data.vocab_file (else init.hf_checkpoint's folder)."""
+  d = config.data
+  if d.tokenizer == "bytes":
+    return tokenizer_lib.ByteTokenizer(media=True, chat=True)
+  return tokenizer_lib.load(d.tokenizer, d.vocab_file or config.init.hf_checkpoint, media=True)
+
+
+START_EVAL = "sft_start_eval.json"   # the held-out metrics before training, kept for a resumed run
+
+
+def run_files(config: ml_collections.ConfigDict, workdir: str):
+  """SFT on the chats of data.files (module docstring); writes workdir/sft_eval.json (the
+  held-out metrics before and after). Returns (state, history)."""
+  d = config.data
+  tok = chat_tokenizer(config)
+  model = k25.K25(config_utils.k25_config_from(config.model, tok))
+  mesh = sharding.make_mesh(config.mesh.to_dict())
+  check_built(config, model.cfg, tok, mesh)
+  patches = max(1, d.image_size // vision_data.PATCH_SIZE) ** 2
+  chats, held_out = chat_files.load(d, chat_files.Rendering(tok, d.thinking, d.max_length, patches))
+  rows = chat_rows.ChatRows(chats, held_out, length=d.max_length, batch=config.train.batch,
+                            visual_batch=config.train.visual_batch, pad_id=tokenizer_lib.PAD_ID, cfg=model.cfg,
+                            seed=config.train.seed)
+  logging.info("sft: %d chats (%d with images) in %d packed rows; %d held out", len(chats),
+               sum(bool(c.images) for c in chats), sum(len(p) for p in rows.train.values()), len(held_out))
+  record = chat_formats.record_of(tok) or {"name": d.tokenizer, "path": d.vocab_file or config.init.hf_checkpoint,
+                                           "media": True}
+  tx = optimizer.make_optimizer(config.optimizer, config.train.steps)
+  with trainer_lib.Trainer.for_config(config, workdir, model, tx, mesh, tokenizer=record) as trainer:
+    state = trainer.start(config.init)
+    loss_fn = objective.for_section(model, config.train)
+    specs = multimodal.batch_specs(rows.with_media, FEATURES)
+    step = trainer.train_step(loss_fn, router_bias_rate=config.train.router_bias_rate,
+                              qk_clip_tau=optimizer.qk_clip_tau(config.optimizer), batch_specs=specs)
+    eval_step = trainer.eval_step(loss_fn, specs)
+    held = [multimodal.to_device(b, mesh) for b in rows.held_out()]
+    evaluate = lambda s: loop.evaluate(eval_step, s, held)
+    start_path = os.path.join(workdir, START_EVAL)
+    if int(jax.device_get(state.step)) == 0:
+      start = evaluate(state)
+      trainer.writer.write(0, start, "eval")
+      if jax.process_index() == 0:
+        checkpoint.write_atomically(start_path, lambda f: f.write(json.dumps(start).encode()))
+    else:
+      with open(start_path) as f:
+        start = json.load(f)
+    state, history = trainer.fit(state, step, lambda n: multimodal.to_device(rows(n), mesh), config.train,
+                                 tokens_per_step=rows.rows_per_step * rows.width, evaluate=evaluate)
+    evaluations = [h for h in history if h["split"] == "eval"]
+    end = evaluations[-1] if evaluations else evaluate(state)   # a resumed run already at train.steps
+  results = {"chats": len(chats), "held_out_chats": len(held_out),
+             "start": {k: start[k] for k in ("loss", "accuracy", "tokens")},
+             "end": {k: end[k] for k in ("loss", "accuracy", "tokens")}}
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, "sft_eval.json"), "w") as f:
+      json.dump(results, f, indent=1)
+  print(f"\nSFT on {len(chats)} chats from data.files; {len(held_out)} held out ({results['end']['tokens']:.0f} "
+        f"assistant tokens):\n  held-out loss {results['start']['loss']:.4f} -> {results['end']['loss']:.4f}, "
+        f"token accuracy {results['start']['accuracy']:.3f} -> {results['end']['accuracy']:.3f}")
   return state, history

@@ -175,11 +175,11 @@ class Trainer:
                  mesh: jax.sharding.Mesh | None = None, tokenizer: dict | None = None) -> "Trainer":
     """A trainer on `config.mesh` (or `mesh`), seeded by `train.seed`, keeping `train.keep_checkpoints`,
     saving every `train.checkpoint_minutes` too; the workdir's model record names the
-    tokenizer: `data.tokenizer` where the config has one, else `tokenizer` (a stage's own
-    record, e.g. `chat_formats.LEGACY_RECORD`)."""
+    tokenizer: `tokenizer` where given (a stage's own record, e.g. `chat_formats.LEGACY_RECORD`),
+    else `data.tokenizer` where the config has one."""
     mesh = mesh if mesh is not None else sharding.make_mesh(config.mesh.to_dict())
     data = config.get("data") or {}
-    if "tokenizer" in data:
+    if tokenizer is None and "tokenizer" in data:
       tokenizer = {"name": data["tokenizer"], "path": data.get("vocab_file", ""), "media": isinstance(model, k25.K25)}
     return cls(workdir, model, tx, mesh=mesh, seed=config.train.seed, keep_checkpoints=config.train.keep_checkpoints,
                tokenizer=tokenizer, checkpoint_minutes=config.train.get("checkpoint_minutes", 0.0))
