@@ -18,20 +18,24 @@ IMAGE_ID, VIDEO_ID, START_ID, END_ID = 90, 91, 88, 89
 IMAGE_GRID, VIDEO_GRID = (1, 10, 6), (4, 4, 8)
 
 
-def tiny_k25_hf_config() -> Kimi_K25Config:
+def tiny_k25_hf_config(text=None, **overrides) -> Kimi_K25Config:
+  """Two text layers (`text`: the text config's fields to change), two vision blocks; the
+  media ids above unless overridden."""
   vision_cfg = dict(patch_size=14, pos_emb_height=8, pos_emb_width=8, pos_emb_time=4, num_attention_heads=2,
                     num_hidden_layers=2, hidden_size=32, intermediate_size=48,
                     rope_parameters=dict(rope_type="axial", rope_theta=10000.0))
-  text = tiny_hf_config(num_hidden_layers=2).to_dict()
+  text = tiny_hf_config(**{"num_hidden_layers": 2, **(text or {})}).to_dict()
+  ids = dict(image_token_id=IMAGE_ID, video_token_id=VIDEO_ID, vision_start_token_id=START_ID,
+             vision_end_token_id=END_ID)
   return Kimi_K25Config(text_config=text, vision_config=vision_cfg, projection_hidden_size=32,
-                        image_token_id=IMAGE_ID, video_token_id=VIDEO_ID, vision_start_token_id=START_ID,
-                        vision_end_token_id=END_ID, tie_word_embeddings=False)
+                        tie_word_embeddings=False, **{**ids, **overrides})
 
 
-def random_k25_model(seed: int = 0) -> Kimi_K25ForConditionalGeneration:
-  """Random weights large enough that attention and the projector are far from trivial."""
+def random_k25_model(seed: int = 0, config: Kimi_K25Config | None = None) -> Kimi_K25ForConditionalGeneration:
+  """Random weights large enough that attention and the projector are far from trivial
+  (`config`: default tiny_k25_hf_config())."""
   torch.manual_seed(seed)
-  model = Kimi_K25ForConditionalGeneration(tiny_k25_hf_config()).eval()
+  model = Kimi_K25ForConditionalGeneration(config or tiny_k25_hf_config()).eval()
   with torch.no_grad():
     for name, p in model.named_parameters():
       if "norm" in name and name.endswith("weight"):

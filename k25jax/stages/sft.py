@@ -278,11 +278,11 @@ ZERO_VISION_ONLY = ("visual_sft", "arithmetic_examples", "text_replay", "vision_
 
 def check(config) -> None:
   """The stage's config check (before anything is built): the schedule fits the run; the
-  trajectories and the evaluation's contexts fit the model's positions; the data source's
-  fields agree with it."""
+  trajectories (or chats) and the rollouts' contexts fit the model's positions; the data
+  source's fields agree with it."""
   trainer_lib.check(config)
   positions = config.model.text.max_position_embeddings
-  if config.eval.max_context > positions:
+  if config.data.source == "zero_vision" and config.eval.max_context > positions:
     raise ValueError(f"config: eval.max_context={config.eval.max_context} exceeds model.text.max_position_embeddings="
                      f"{positions}")
   if config.data.max_length > positions + 1:
