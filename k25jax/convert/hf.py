@@ -18,8 +18,9 @@ Names understood on load:
 * routed experts in INT4 pack-quantized form (`weight_packed`, `weight_scale`, `weight_shape`),
   dequantized on load (`k25jax.convert.int4`).
 
-Loading streams one tensor at a time from memory-mapped files; each finished leaf is
-converted to the param dtype and, if `shardings` is given, placed on its sharding.
+Loading checks every tensor from the files' headers first, then reads each param onto its
+sharding a device's slice at a time (`k25jax.convert.lazy`): a process holds one device's
+slice of a leaf plus the tensor being read, and reads only the experts its devices hold.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ import numpy as np
 from absl import logging
 from flax import traverse_util
 
-from k25jax.convert import fp8, hf_vision, int4, safetensors_io, scan
+from k25jax.convert import fp8, hf_vision, int4, lazy, safetensors_io, scan
 from k25jax.convert.common import FLOAT, INTEGER, CheckpointError, at, require_dtype, shape_error
 from k25jax.model import transformer
 from k25jax.model.config import K25Config, ModelConfig
@@ -244,49 +245,44 @@ def load_text_params(path: str, hf_cfg: dict, cfg: ModelConfig, shardings: Any =
                      consume: Callable[[str, Any], bool] | None = None):
   """The text backbone's params from the folder's safetensors.
 
+  The pass over the files checks every tensor's name, dtype and shape from the headers and
+  makes each param a `lazy.Leaf`; the params are then read onto their shardings a device's
+  slice at a time (`lazy.materialize`), so that no stacked leaf is ever whole on the host.
   consume(raw_name, file): called first for every tensor; True means it took the tensor
   (the vision loader's hook), so it is not placed here.
   """
-  per_layer = cfg.replace(scan_layers=False)   # read per layer; stacked at the end if cfg.scan_layers
+  per_layer = cfg.replace(scan_layers=False)   # read per layer; stacked (lazily) at the end if cfg.scan_layers
   expected = {k: tuple(v.shape) for k, v in
               traverse_util.flatten_dict(nn.meta.unbox(transformer.abstract_params(per_layer))).items()}
-  flat_shardings = (traverse_util.flatten_dict(shardings) if shardings is not None and not cfg.scan_layers
-                    else {})
   param_dtype = dtype_of(cfg.param_dtype)
-  out: dict[tuple, Any] = {}
-  stacked: dict[tuple, np.ndarray] = {}
-  filled: dict[tuple, dict[int, str]] = {}   # stacked experts placed so far → where each came from
-  quant_parts: dict[str, dict[str, tuple[np.ndarray, str]]] = {}   # module → part → (array, file)
+  leaves: dict[tuple, lazy.Leaf] = {}
+  filled: dict[tuple, dict[int, tuple[lazy.Tensor, str]]] = {}   # stacked experts so far → (tensor, where)
+  quant_parts: dict[str, dict[str, tuple[Any, str]]] = {}   # module → part → (file, raw name)
   group, asymmetric = _quant_settings(path, hf_cfg)
   needed_parts = _QUANT_PARTS if asymmetric else _QUANT_PARTS[:3]
   try:
     fp8_block = fp8.block_size(hf_cfg)
   except (TypeError, ValueError) as e:
     raise CheckpointError(f"{os.path.join(path, 'config.json')}: its FP8 quantization_config is malformed ({e})") from e
-  fp8_parts: dict[str, dict[str, tuple[np.ndarray, str]]] = {}   # module → weight / scale → (array, file)
+  fp8_parts: dict[str, dict[str, tuple[Any, str]]] = {}   # module → weight / scale → (file, raw name)
   skipped_layers: set[int] = set()
   source_of: dict[tuple, str] = {}
-
-  def finish(key: tuple, value: np.ndarray):
-    dtype = np.float32 if key[-1] in ("e_score_correction_bias",) or key[-2:] == ("gate", "kernel") else param_dtype
-    arr = np.asarray(value).astype(dtype)
-    out[key] = (jax.device_put(arr, flat_shardings[key]) if key in flat_shardings else jax.numpy.asarray(arr))
 
   def no_place(where: str) -> CheckpointError:
     return CheckpointError(f"{where} has no place in a model with this config")
 
-  def place(name: str, value: np.ndarray, where: str):
-    """`value` of HF tensor `name` (read from `where`, see common.at) onto its param."""
+  def place(name: str, tensor: lazy.Tensor, where: str):
+    """`tensor`, HF tensor `name` (read from `where`, see common.at), as its param."""
     key, kind, expert = hf_target(cfg, name)
     if kind == "fused_gate_up":
       gate, up = key + ("gate_proj",), key + ("up_proj",)
       if gate not in expected:
         raise no_place(where)
       n, d, f = expected[gate]
-      if value.shape != (n, 2 * f, d):
-        raise shape_error(where, value.shape, (n, 2 * f, d), key + ("gate_proj+up_proj",), (n, d, 2 * f))
-      place_leaf(gate, np.swapaxes(value[:, :f], 1, 2), where)
-      place_leaf(up, np.swapaxes(value[:, f:], 1, 2), where)
+      if tensor.shape != (n, 2 * f, d):
+        raise shape_error(where, tensor.shape, (n, 2 * f, d), key + ("gate_proj+up_proj",), (n, d, 2 * f))
+      place_leaf(gate, lazy.single((n, d, f), tensor, lambda x: np.swapaxes(x[:, :f], 1, 2)), where)
+      place_leaf(up, lazy.single((n, d, f), tensor, lambda x: np.swapaxes(x[:, f:], 1, 2)), where)
       return
     if key not in expected:
       raise no_place(where)
@@ -294,53 +290,62 @@ def load_text_params(path: str, hf_cfg: dict, cfg: ModelConfig, shardings: Any =
     if expert is not None:
       if expert >= full[0]:
         raise CheckpointError(f"{where}: expert {expert} but config has n_routed_experts={full[0]}")
-      if value.shape != _stored_shape(kind, full[1:]):
-        raise shape_error(where, value.shape, _stored_shape(kind, full[1:]), key + (str(expert),), full[1:])
-      if key in out:
+      if tensor.shape != _stored_shape(kind, full[1:]):
+        raise shape_error(where, tensor.shape, _stored_shape(kind, full[1:]), key + (str(expert),), full[1:])
+      if key in leaves:
         raise CheckpointError(f"{where} duplicates {source_of[key]}")
       if expert in filled.get(key, {}):
-        raise CheckpointError(f"{where} duplicates {filled[key][expert]}")
-      buf = stacked.setdefault(key, np.zeros(full, np.float32))
-      buf[expert] = _transform(kind, value)
-      filled.setdefault(key, {})[expert] = where
+        raise CheckpointError(f"{where} duplicates {filled[key][expert][1]}")
+      filled.setdefault(key, {})[expert] = (tensor, where)
       if len(filled[key]) == full[0]:
         source_of[key] = f"the per-expert tensors (the last {where})"
-        finish(key, stacked.pop(key))
+        tensors = [t for _, (t, _) in sorted(filled.pop(key).items())]
+        leaves[key] = lazy.experts(full, tensors, lambda x: _transform(kind, x))
       return
-    if value.shape != _stored_shape(kind, full):
-      raise shape_error(where, value.shape, _stored_shape(kind, full), key, full)
-    place_leaf(key, _transform(kind, value, cfg.num_attention_heads), where)
+    if tensor.shape != _stored_shape(kind, full):
+      raise shape_error(where, tensor.shape, _stored_shape(kind, full), key, full)
+    place_leaf(key, lazy.single(full, tensor, lambda x: _transform(kind, x, cfg.num_attention_heads)), where)
 
-  def place_leaf(key: tuple, value: np.ndarray, where: str):
-    if tuple(value.shape) != expected[key]:   # the stored shape was checked: a bug here, not in the file
-      raise CheckpointError(f"{where} gives shape {tuple(value.shape)} for {'/'.join(key)}, which this "
-                            f"config makes {expected[key]}")
-    if key in out or key in stacked:
+  def place_leaf(key: tuple, leaf: lazy.Leaf, where: str):
+    if key in leaves or key in filled:
       raise CheckpointError(f"{where} duplicates {source_of.get(key) or 'the per-expert tensors'}")
     source_of[key] = where
-    finish(key, value)
+    leaves[key] = leaf
 
-  def quantized_at(module: str, parts: dict[str, tuple[np.ndarray, str]]) -> str:
-    files = ", ".join(sorted({file for _, file in parts.values()}))
+  def stored(file, raw_name: str) -> lazy.Tensor:
+    return lazy.Tensor(file.shape(raw_name), lambda: file.get(raw_name))
+
+  def checked(read: Callable[[], np.ndarray], where: str) -> Callable[[], np.ndarray]:
+    """`read` whose ValueError (a dequantization's) is a CheckpointError naming `where`."""
+    def run():
+      try:
+        return read()
+      except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    return run
+
+  def quantized_at(module: str, parts: dict[str, tuple[Any, str]]) -> str:
+    files = ", ".join(sorted({file.path for file, _ in parts.values()}))
     return f"{at(files, module + '.weight_*')} (INT4-quantized)"
 
-  def place_quantized(module: str, parts: dict[str, tuple[np.ndarray, str]]):
+  def place_quantized(module: str, parts: dict[str, tuple[Any, str]]):
     where = quantized_at(module, parts)
-    value = {part: array for part, (array, _) in parts.items()}
-    try:
-      w = int4.dequantize(value["weight_packed"], value["weight_scale"], value["weight_shape"],
-                          value.get("weight_zero_point"), group)
+    read = {part: (lambda f=file, n=name: f.get(n)) for part, (file, name) in parts.items()}
+    header = {part: file.shape(name) for part, (file, name) in parts.items()}
+    try:           # the parts' shapes from the headers; the values are read when the param is
+      shape = int4.check(header["weight_packed"], header["weight_scale"], read["weight_shape"](), group)
     except ValueError as e:
       raise CheckpointError(f"{where}: {e}") from None
-    place(module + ".weight", w, where)
+    zero = read.get("weight_zero_point")
+    dequantized = lambda: int4.dequantize(read["weight_packed"](), read["weight_scale"](), shape,
+                                          None if zero is None else zero(), group)
+    place(module + ".weight", lazy.Tensor(shape, checked(dequantized, where)), where)
 
-  def place_fp8(module: str, parts: dict[str, tuple[np.ndarray, str]]):
-    where = at(parts["weight"][1], module + ".weight") + " (FP8, block-scaled)"
-    try:
-      w = fp8.dequantize(parts["weight"][0], parts[fp8.SCALE][0], fp8_block)
-    except ValueError as e:
-      raise CheckpointError(f"{where}: {e}") from None
-    place(module + ".weight", w, where)
+  def place_fp8(module: str, parts: dict[str, tuple[Any, str]]):
+    (file, name), (scale_file, scale_name) = parts["weight"], parts[fp8.SCALE]
+    where = at(file.path, module + ".weight") + " (FP8, block-scaled)"
+    dequantized = lambda: fp8.dequantize(file.get(name), scale_file.get(scale_name), fp8_block)
+    place(module + ".weight", lazy.Tensor(file.shape(name), checked(dequantized, where)), where)
 
   for raw_name, file in safetensors_io.iterate(path):
     if consume is not None and consume(raw_name, file):
@@ -365,20 +370,20 @@ def load_text_params(path: str, hf_cfg: dict, cfg: ModelConfig, shardings: Any =
                     f"an FP8 {leaf}")
       parts = fp8_parts.setdefault(module, {})
       if leaf in parts:
-        raise CheckpointError(f"{where} duplicates {at(parts[leaf][1], raw_name)}")
-      parts[leaf] = (np.array(file.get(raw_name)), file.path)
+        raise CheckpointError(f"{where} duplicates {at(parts[leaf][0].path, raw_name)}")
+      parts[leaf] = (file, raw_name)
       if len(parts) == 2:
         place_fp8(module, fp8_parts.pop(module))
       continue
     if not quantized:
       require_dtype(file, raw_name, FLOAT)
-      place(name, file.get(raw_name), where)
+      place(name, stored(file, raw_name), where)
       continue
     require_dtype(file, raw_name, *_QUANT_DTYPES[leaf])
     parts = quant_parts.setdefault(module, {})
     if leaf in parts:
-      raise CheckpointError(f"{where} duplicates {at(parts[leaf][1], raw_name)}")
-    parts[leaf] = (np.array(file.get(raw_name)), file.path)
+      raise CheckpointError(f"{where} duplicates {at(parts[leaf][0].path, raw_name)}")
+    parts[leaf] = (file, raw_name)
     if all(p in parts for p in needed_parts):
       del quant_parts[module]
       place_quantized(module, parts)
@@ -386,7 +391,7 @@ def load_text_params(path: str, hf_cfg: dict, cfg: ModelConfig, shardings: Any =
   if fp8_parts:
     module, parts = next(iter(fp8_parts.items()))
     have, = parts
-    raise CheckpointError(f"{at(parts[have][1], module + '.' + have)} (FP8) has no "
+    raise CheckpointError(f"{at(parts[have][0].path, module + '.' + have)} (FP8) has no "
                           f"{'weight_scale_inv' if have == 'weight' else 'weight'} beside it")
   if skipped_layers:
     logging.info("%s: skipped layers %s: multi-token-prediction layers (num_nextn_predict_layers=%s), "
@@ -395,14 +400,19 @@ def load_text_params(path: str, hf_cfg: dict, cfg: ModelConfig, shardings: Any =
     module, parts = next(iter(quant_parts.items()))
     raise CheckpointError(f"{quantized_at(module, parts)} is incomplete: has {sorted(parts)}, needs "
                           f"{list(needed_parts)}")
-  for key in stacked:
+  for key in filled:
     missing = sorted(set(range(expected[key][0])) - set(filled[key]))
     raise CheckpointError(f"{path}: missing tensor {_hf_expert_name(key, missing[0])!r} (experts {missing})")
   for key in expected:
-    if key not in out:
+    if key not in leaves:
       raise CheckpointError(f"{path}: missing tensor for {'/'.join(key)} (HF name {hf_names(cfg, key)[0]!r})")
-  params = scan.to_layout(cfg, traverse_util.unflatten_dict(out))
-  return jax.device_put(params, shardings) if shardings is not None and cfg.scan_layers else params
+  layout = traverse_util.flatten_dict(scan.to_layout(cfg, traverse_util.unflatten_dict(leaves), stack=lazy.stacked))
+  flat_shardings = traverse_util.flatten_dict(shardings) if shardings is not None else {}
+  out = {}
+  for key, leaf in layout.items():
+    dtype = np.float32 if key[-1] in ("e_score_correction_bias",) or key[-2:] == ("gate", "kernel") else param_dtype
+    out[key] = lazy.materialize(leaf, dtype, flat_shardings.get(key))
+  return traverse_util.unflatten_dict(out)
 
 
 def _hf_expert_name(key: tuple, expert: int) -> str:

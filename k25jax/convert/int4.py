@@ -37,6 +37,24 @@ def pack(q: np.ndarray) -> np.ndarray:
   return np.bitwise_or.reduce(u << shifts, axis=-1).astype(np.uint32).view(np.int32)
 
 
+def check(packed_shape, scale_shape, shape, group: int) -> tuple[int, int]:
+  """(out, in) of an INT4 weight whose parts have these shapes (`shape`: the weight_shape
+  values); parts that disagree with it raise a ValueError (the caller names the tensors)."""
+  dims = np.asarray(shape)
+  if (dims.shape != (2,) or not np.issubdtype(dims.dtype, np.integer) or (dims <= 0).any()):
+    raise ValueError(f"int4 weight_shape {dims.tolist()!r:.100} is not [out, in] with positive integers")
+  if not isinstance(group, (int, np.integer)) or group <= 0:
+    raise ValueError(f"int4 group size {group!r} is not a positive integer")
+  out_dim, in_dim = (int(s) for s in dims)
+  if tuple(packed_shape) != (out_dim, -(-in_dim // PER_WORD)):
+    raise ValueError(f"int4 packed shape {tuple(packed_shape)} does not match weight shape {(out_dim, in_dim)} "
+                     f"(needs {(out_dim, -(-in_dim // PER_WORD))}, {PER_WORD} values per int32)")
+  if tuple(scale_shape) != (out_dim, -(-in_dim // group)):
+    raise ValueError(f"int4 scale shape {tuple(scale_shape)} does not match weight shape {(out_dim, in_dim)} "
+                     f"with group size {group}")
+  return out_dim, in_dim
+
+
 def dequantize(packed: np.ndarray, scale: np.ndarray, shape, zero_point: np.ndarray | None = None,
                group: int = 32) -> np.ndarray:
   """W = (q − z) · s per group of `group` input columns, float32 [out, in].
@@ -45,21 +63,10 @@ def dequantize(packed: np.ndarray, scale: np.ndarray, shape, zero_point: np.ndar
   writes it ([ceil(out/8), in/group]). Parts that disagree with `shape` raise a ValueError
   (the caller names the tensors).
   """
-  dims = np.asarray(shape)
-  if (dims.shape != (2,) or not np.issubdtype(dims.dtype, np.integer) or (dims <= 0).any()):
-    raise ValueError(f"int4 weight_shape {dims.tolist()!r:.100} is not [out, in] with positive integers")
-  if not isinstance(group, (int, np.integer)) or group <= 0:
-    raise ValueError(f"int4 group size {group!r} is not a positive integer")
-  out_dim, in_dim = (int(s) for s in dims)
+  out_dim, in_dim = check(packed.shape, scale.shape, shape, group)
   groups = -(-in_dim // group)
-  if packed.shape != (out_dim, -(-in_dim // PER_WORD)):
-    raise ValueError(f"int4 packed shape {packed.shape} does not match weight shape {(out_dim, in_dim)} "
-                     f"(needs {(out_dim, -(-in_dim // PER_WORD))}, {PER_WORD} values per int32)")
   if not np.issubdtype(packed.dtype, np.integer):
     raise ValueError(f"int4 packed values have dtype {packed.dtype}, not int32")
-  if scale.shape != (out_dim, groups):
-    raise ValueError(f"int4 scale shape {scale.shape} does not match weight shape {(out_dim, in_dim)} "
-                     f"with group size {group}")
   q = unpack(packed, in_dim).astype(np.float32)
   if zero_point is not None:
     if zero_point.dtype == np.int32:              # compressed-tensors packs it along the rows

@@ -80,7 +80,6 @@ class SafetensorsFile:
     self._data_start = 8 + size
     for name, info in header.items():
       self._check_entry(name, info, file_size)
-    self._map = np.memmap(path, dtype=np.uint8, mode="r") if file_size > self._data_start else None
 
   def _check_entry(self, name: str, info, file_size: int) -> None:
     where = at(self.path, name)
@@ -122,7 +121,9 @@ class SafetensorsFile:
     return self._info(name)["dtype"]
 
   def get(self, name: str) -> np.ndarray:
-    """The tensor as stored (a read-only view of the memory-mapped file; nothing is cast)."""
+    """The tensor as stored (nothing is cast), read into memory of its own: freed when the
+    array is, so a reader of many tensors holds only those it keeps (a memory map's pages
+    would stay in the process's resident set)."""
     info = self._info(name)
     if info["dtype"] not in DTYPES:
       raise CheckpointError(f"{at(self.path, name)} has unsupported dtype {info['dtype']} (this reader "
@@ -130,8 +131,12 @@ class SafetensorsFile:
     begin, end = info["data_offsets"]
     if end == begin:
       return np.zeros(info["shape"], DTYPES[info["dtype"]])
-    raw = self._map[self._data_start + begin:self._data_start + end]
-    return np.frombuffer(raw, dtype=DTYPES[info["dtype"]]).reshape(info["shape"])
+    raw = np.empty(end - begin, np.uint8)
+    with open(self.path, "rb") as f:
+      f.seek(self._data_start + begin)
+      if f.readinto(memoryview(raw)) != end - begin:
+        raise CheckpointError(f"{at(self.path, name)}: the file ended while reading the tensor")
+    return raw.view(DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
 def write(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> None:

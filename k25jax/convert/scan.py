@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 
 from k25jax.model.config import ModelConfig
 from k25jax.model.transformer import SCANNED
@@ -29,8 +30,9 @@ def _stack(*leaves):
   return (np.stack(leaves) if all(isinstance(x, np.ndarray) for x in leaves) else jnp.stack(leaves))
 
 
-def stack_layers(cfg: ModelConfig, params) -> dict:
-  """Per-layer → scanned: layers_{k} … layers_{L-1} become `moe_layers` with a leading layer axis."""
+def stack_layers(cfg: ModelConfig, params, stack=None) -> dict:
+  """Per-layer → scanned: layers_{k} … layers_{L-1} become `moe_layers` with a leading layer axis
+  (`stack(leaves)` of a list, default np.stack / jnp.stack: e.g. `lazy.stacked` for leaves not yet read)."""
   if is_scanned(params):
     raise ValueError(f"stack_layers: the params are already scanned (they have {SCANNED!r})")
   moe = [f"layers_{i}" for i in range(cfg.first_k_dense_replace, cfg.num_hidden_layers)]
@@ -40,7 +42,11 @@ def stack_layers(cfg: ModelConfig, params) -> dict:
                      "layers)")
   out = {k: v for k, v in params.items() if k not in moe}
   if moe:
-    out[SCANNED] = jax.tree.map(_stack, *[params[name] for name in moe])
+    if stack is None:
+      out[SCANNED] = jax.tree.map(_stack, *[params[name] for name in moe])
+    else:
+      layers = [traverse_util.flatten_dict(params[name]) for name in moe]
+      out[SCANNED] = traverse_util.unflatten_dict({key: stack([layer[key] for layer in layers]) for key in layers[0]})
   return out
 
 
@@ -59,10 +65,11 @@ def unstack_layers(cfg: ModelConfig, params) -> dict:
   return out
 
 
-def to_layout(cfg: ModelConfig, params) -> dict:
-  """The params in the layout `cfg.scan_layers` asks for (converted only if they are not)."""
+def to_layout(cfg: ModelConfig, params, stack=None) -> dict:
+  """The params in the layout `cfg.scan_layers` asks for (converted only if they are not;
+  `stack` as stack_layers')."""
   if cfg.scan_layers and cfg.num_moe_layers and not is_scanned(params):
-    return stack_layers(cfg, params)
+    return stack_layers(cfg, params, stack)
   if not cfg.scan_layers and is_scanned(params):
     return unstack_layers(cfg, params)
   return params
