@@ -19,6 +19,11 @@ forgetting (text documents, loss on every token; joint pre-training image sample
 the answer, in `train.visual_batch` rows): the recipe's SFT uses both (configs/recipe.py).
 The optimizer is MuonClip (`--config.optimizer.name=adamw` switches).
 
+Switch `k25_format` (`configs/sft.py:tiny,k25_format`): the trajectories, the examples and
+the rollouts in Kimi K2.5's chat format (`k25jax/data/tool_formats.py`: the Python tool a
+declared `python(code)` function, its calls in tool-call sections), over the byte tokenizer
+with the K2.5 chat tokens (275 ids) and 1,024 positions (the trajectories are ~2.2x longer).
+
 Switch `files` (`configs/sft.py:tiny,files --config.data.files=GLOB`): SFT on your own chats
 (`k25jax/data/chat_files.py`: JSONL or Parquet records `{"messages", "tools"}` in the OpenAI
 shape, images as `{"type": "image", "image": PATH}` parts), rendered in Kimi K2.5's chat
@@ -33,15 +38,20 @@ from configs import common
 
 
 def get_config(arg=None):
-  preset, switches = common.preset_and_switches(arg, "configs/sft.py", ("tiny",), ("visual", "arithmetic", "files"))
+  preset, switches = common.preset_and_switches(arg, "configs/sft.py", ("tiny",),
+                                                ("visual", "arithmetic", "files", "k25_format"))
   c = ml_collections.ConfigDict()
   c.stage = "sft"
-  vocab = common.K25_FORMAT_VOCAB_SIZE if "files" in switches else common.CHAT_VOCAB_SIZE
-  c.model = common.k25_model_section(preset, **{**common.TINY_CHAT_TEXT, "vocab_size": vocab})
+  k25_format = bool({"files", "k25_format"} & switches)
+  text = dict(common.TINY_CHAT_TEXT, vocab_size=common.K25_FORMAT_VOCAB_SIZE if k25_format else common.CHAT_VOCAB_SIZE)
+  if "k25_format" in switches:   # the K2.5 trajectories are ~2.2x as long (577 tokens at most, 265 in the legacy format)
+    text["max_position_embeddings"] = 1024
+  c.model = common.k25_model_section(preset, **text)
   c.init = common.init_section(k25=True)
 
   c.data = ml_collections.ConfigDict(dict(
       source="files" if "files" in switches else "zero_vision",
+      chat_format="k2.5" if k25_format else "legacy",   # the zero-vision data's and rollouts' (data/tool_formats.py)
       # data.source=files (k25jax/data/chat_files.py): your chats in the K2.5 chat format
       files="", eval_files="", eval_every=10, on_bad_record="error", thinking=False,
       tokenizer="bytes", vocab_file="",
@@ -50,7 +60,7 @@ def get_config(arg=None):
       p_two_calls=0.25,                    # share of trajectories whose program takes two tool calls
       # tokens per trajectory (the longest are ~275); a chat of data.files (a tool declaration and
       # the K2.5 default system turn alone take ~250)
-      max_length=512 if "files" in switches else 320,
+      max_length=640 if "k25_format" in switches else 512 if "files" in switches else 320,
       visual_sft="visual" in switches,     # add image + question → answer examples (text+vision SFT)
       visual_examples=3000,
       arithmetic_examples=3000 if "arithmetic" in switches else 0,   # 2-digit addition chats (joint RL's text)
@@ -66,7 +76,7 @@ def get_config(arg=None):
   c.sandbox = common.sandbox_section(sessions=16)
 
   c.eval = ml_collections.ConfigDict(dict(
-      tasks=64, seed=12345, max_turns=3, max_context=496, turn_tokens=160,
+      tasks=64, seed=12345, max_turns=3, max_context=896 if "k25_format" in switches else 496, turn_tokens=160,
       settings="text_tool,image_tool,image_no_tool"))
 
   c.mesh = common.mesh_section()

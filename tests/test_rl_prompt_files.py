@@ -254,7 +254,7 @@ def _vision_section(**task):
 
 
 def test_image_records_become_rl_vision_tasks_with_their_pixels_and_verifiers(tmp_path):
-  from k25jax.data import image_tasks, legacy_chat
+  from k25jax.data import image_tasks
   from k25jax.stages import rl_vision
   made = image_tasks.make_tasks(4, seed=0, image_size=56, kinds=("count", "read"))
   path = write_image_records(tmp_path, made)
@@ -270,7 +270,7 @@ def test_image_records_become_rl_vision_tasks_with_their_pixels_and_verifiers(tm
   text_only = by_question["What is 2+2?"]
   assert text_only.images == {} and text_only.reward("about 4") == 1.0
   config = _vision_config(files=path)
-  train_split, eval_split = rl_vision.TaskSplit.from_config(config, legacy_chat.ChatTokenizer())
+  train_split, eval_split = rl_vision.TaskSplit.from_config(config)
   assert len(train_split.tasks) == 4 and len(eval_split.tasks) == 1
   assert sum(m is not None for m in train_split.items + eval_split.items) == 4
   assert max(m.pixel_values.shape[0] for m in train_split.items + eval_split.items if m is not None) <= 16

@@ -82,11 +82,11 @@ def test_vision_rl_needs_a_start():
 def test_joint_tasks_interleave_kinds_and_keep_text_tasks_imageless():
   config = load_config("configs/rl.py", "joint")
   assert rl_vision.parse_kinds(config.task.kinds)[0] == "addition"
-  split = rl_vision.TaskSplit.make(6, 0, config, chat.ChatTokenizer())
+  split = rl_vision.TaskSplit.make(6, 0, config)
   kinds = [t.kind for t in split.tasks]
   assert kinds == [rl_vision.parse_kinds(config.task.kinds)[i % 5] for i in range(6)]
-  for task, item, block in zip(split.tasks, split.items, split.blocks):
-    assert (item is None) == (block == []) == (task.kind == "addition")
+  for task, item in zip(split.tasks, split.items):
+    assert (item is None) == (task.kind == "addition")
   assert split.patches_per_row == max(m.pixel_values.shape[0] for m in split.items if m is not None)
   with pytest.raises(ValueError, match="task.kinds"):
     rl_vision.parse_kinds("addition,juggle")
@@ -125,8 +125,7 @@ def test_joint_rl_with_toggle_mixes_text_and_image_tasks_alternates_phases_and_l
 def test_held_out_sums_are_not_training_sums():
   config = load_config("configs/rl.py", "joint")
   config.task.kinds = "addition"
-  tok = chat.ChatTokenizer()
-  train = rl_vision.TaskSplit.make(400, 0, config, tok)
-  held_out = rl_vision.TaskSplit.make(100, 1, config, tok, held_out_from=train)
+  train = rl_vision.TaskSplit.make(400, 0, config)
+  held_out = rl_vision.TaskSplit.make(100, 1, config, held_out_from=train)
   assert len(held_out.tasks) == 100
   assert not {(t.a, t.b) for t in train.tasks} & {(t.a, t.b) for t in held_out.tasks}

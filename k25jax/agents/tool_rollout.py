@@ -1,20 +1,23 @@
 """Multi-turn rollouts of a chat model with the sandboxed Python tool (`k25jax.agents.sandbox`).
 
-An episode starts from `BOS <|user|> [media] question <|end|> <|assistant|>` and runs
-in rounds; in each round every unfinished episode gets one assistant turn, all of them
-decoded in ONE batched call, and then all their tool calls run at once in their own
-sandbox sessions (one persistent session per episode, opened at its first call):
+An episode starts from its task's prompt in the run's tool format (`k25jax.data.tool_formats`:
+k25jax's legacy chat format, or Kimi K2.5's with `python` a declared tool), its image before
+the question for a vision model, and runs in rounds; in each round every unfinished episode
+gets one assistant turn, all of them decoded in ONE batched call, and then all their tool
+calls run at once in their own sandbox sessions (one persistent session per episode, opened
+at its first call):
 
-    turn = decode(context)                                       (tokens under the loss)
-    call   → context += turn <|tool|> output <|end|> <|assistant|>   (output: stdout, or "Error: ...")
-    answer → the episode ends; its answer is the turn's text
+    turn = decode(context)                                  (tokens under the loss)
+    call(s) → context += turn + their results + the next turn's opening
+              (each result: stdout, or "Error: ..."; a turn's calls run in order)
+    answer  → the episode ends; its answer is the turn's text
     ends also at `max_turns` turns, when the next turn would not fit in `max_context`
-    tokens, or on a turn without <|end|> (truncated)
+    tokens, or on a turn without its stop token (truncated)
 
-A malformed call (empty code, a role token inside it) or a call when the tool is off
-gets an error observation, never a crash. Metrics (`summarize`): answer accuracy,
-tool-call success rate (calls whose code ran without error / calls made), calls and
-turns per episode, and how episodes finished.
+A malformed call (empty code, a stray special token, arguments that are not JSON, ...) or a
+call when the tool is off gets an error observation, never a crash. Metrics (`summarize`):
+answer accuracy, tool-call success rate (calls whose code ran without error / calls made),
+calls and turns per episode, and how episodes finished.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import jax
 import numpy as np
 
 from k25jax.agents import sandbox
-from k25jax.data import legacy_chat as chat, image_tasks
+from k25jax.data import image_tasks, legacy_chat, tool_formats
 from k25jax.data import vision as vision_data
 from k25jax.model import k25, media as media_lib, vision
 from k25jax.model.config import K25Config, ModelConfig
@@ -75,16 +78,10 @@ class ToolEpisode:
 Decoder = Callable[[Sequence[Sequence[int]], Sequence[int]], list[tuple[list[int], list[float]]]]
 
 
-def banned_tokens(tok: chat.ChatTokenizer) -> tuple[int, ...]:
+def banned_tokens(tok) -> tuple[int, ...]:
   """Tokens the model may never write: the media tokens (a placeholder it wrote would take an
   image's features). Sampling drops them, and so must the loss's log π (`rollout.mask_banned`)."""
   return tuple(tok.media or ())
-
-
-def prompt(tok: chat.ChatTokenizer, question: str, media: Sequence[int] = ()) -> list[int]:
-  """`BOS <|user|> [media] question <|end|> <|assistant|>`: an episode's first context."""
-  tokens, _ = chat.render(tok, [chat.Message("user", question, prefix=tuple(media))])
-  return tokens + [tok.assistant_id]
 
 
 def _append(t: ToolEpisode, tokens: Sequence[int], mask: float, logprobs: Sequence[float] | None = None) -> None:
@@ -93,8 +90,8 @@ def _append(t: ToolEpisode, tokens: Sequence[int], mask: float, logprobs: Sequen
   t.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
 
 
-async def _play(decode: Decoder, tok: chat.ChatTokenizer, tasks: Sequence[image_tasks.ImageTask],
-                prompts: Sequence[Sequence[int]], pool, config: RolloutConfig) -> list[ToolEpisode]:
+async def _play(decode: Decoder, fmt, tasks: Sequence[image_tasks.ImageTask], prompts: Sequence[Sequence[int]],
+                pool, config: RolloutConfig) -> list[ToolEpisode]:
   transcripts = [ToolEpisode(list(p), [0.0] * len(p), [0.0] * len(p), len(p)) for p in prompts]
   sessions: dict[int, object] = {}
   async with contextlib.AsyncExitStack() as stack:
@@ -106,56 +103,62 @@ async def _play(decode: Decoder, tok: chat.ChatTokenizer, tasks: Sequence[image_
       if not active:
         break
       generated = decode([transcripts[i].tokens for i in active], active)
-      calls: dict[int, str] = {}
-      errors: dict[int, str] = {}
+      turns: dict[int, tool_formats.ToolTurn] = {}
       for i, (tokens, logprobs) in zip(active, generated):
         t = transcripts[i]
-        turn = chat.parse_turn(tok, tokens)
+        turn = fmt.parse(tokens)
         _append(t, turn.tokens, 1.0, logprobs[:len(turn.tokens)])
         t.turns += 1
         if turn.error == "truncated":
           t.finish = "truncated"
-        elif not turn.call:
-          t.answer, t.finish = (None if turn.error else turn.text.strip()), "answer"
+        elif not turn.is_call:
+          t.answer, t.finish = turn.answer, "answer"
         else:
-          t.calls += 1
-          t.call_errors += 1 if (turn.error or not config.tool) else 0
-          if turn.error:
-            errors[i] = f"Error: malformed call ({turn.error})"
-          elif not config.tool:
-            errors[i] = "Error: no tool is available in this task"
-          else:
-            calls[i] = turn.text
-      for i in calls:
+          turns[i] = turn
+      outputs: dict[int, list[str]] = {}
+      runs = []
+      for i, turn in turns.items():
+        t = transcripts[i]
+        if turn.malformed_call or not config.tool:
+          t.calls += max(1, len(turn.calls))
+          t.call_errors += max(1, len(turn.calls))
+          outputs[i] = ([f"Error: malformed call ({turn.error})"] if turn.malformed_call else
+                        ["Error: no tool is available in this task"] * len(turn.calls))
+          continue
         if i not in sessions:
           sessions[i] = await stack.enter_async_context(pool.session(images=tasks[i].images))
-      results = await asyncio.gather(*(sessions[i].arun(code) for i, code in calls.items()))
-      outputs = dict(errors)
-      for i, result in zip(calls, results):
-        outputs[i] = chat.tool_output(result, config.output_chars)
-        transcripts[i].call_errors += 0 if result.ok else 1
-      for i, text in outputs.items():
+        runs.append(i)
+      results = await asyncio.gather(*(_run_calls(sessions[i], turns[i].calls) for i in runs))
+      for i, done in zip(runs, results):
+        outputs[i] = [legacy_chat.tool_output(result, config.output_chars) for result in done]
+        transcripts[i].calls += len(done)
+        transcripts[i].call_errors += sum(not result.ok for result in done)
+      for i, texts in outputs.items():
         t = transcripts[i]
-        tool_message, _ = chat.message_tokens(tok, chat.Message("tool", text))
-        _append(t, tool_message + [tok.assistant_id], 0.0)
+        _append(t, fmt.results(turns[i], texts), 0.0)
         if t.turns >= config.max_turns:
           t.finish = "turn_limit"
   return transcripts
 
 
-def play(decode: Decoder, tok: chat.ChatTokenizer, tasks: Sequence[image_tasks.ImageTask], pool,
-         config: RolloutConfig, media: Sequence[Sequence[int]] | None = None) -> list[ToolEpisode]:
-  """Plays one episode per task to the end, in waves of `pool.max_sessions` episodes (each
-  episode may hold a session until it ends). `media[i]` (optional) are token ids placed
-  before task i's question (its image block, for a vision model). The decoder gets the
-  episodes' indices into `tasks`."""
-  media = media if media is not None else [()] * len(tasks)
-  prompts = [prompt(tok, task.question, m) for task, m in zip(tasks, media)]
+async def _run_calls(session, codes: Sequence[str]) -> list:
+  """A turn's calls, in order, in the episode's session."""
+  return [await session.arun(code) for code in codes]
+
+
+def play(decode: Decoder, fmt, tasks: Sequence[image_tasks.ImageTask], pool, config: RolloutConfig,
+         media: Sequence[vision_data.Media | None] | None = None) -> list[ToolEpisode]:
+  """Plays one episode per task to the end in the tool format `fmt` (`tool_formats`), in waves
+  of `pool.max_sessions` episodes (each episode may hold a session until it ends). `media[i]`
+  (optional) is task i's image, placed before its question (a vision model). The decoder gets
+  the episodes' indices into `tasks`."""
+  media = media if media is not None else [None] * len(tasks)
+  prompts = [fmt.prompt(task.question, m) for task, m in zip(tasks, media)]
   transcripts = []
   for start in range(0, len(tasks), pool.max_sessions):
     wave = range(start, min(start + pool.max_sessions, len(tasks)))
     offset_decode = lambda contexts, episodes, s=start: decode(contexts, [s + e for e in episodes])
-    transcripts += asyncio.run(_play(offset_decode, tok, [tasks[i] for i in wave], [prompts[i] for i in wave],
+    transcripts += asyncio.run(_play(offset_decode, fmt, [tasks[i] for i in wave], [prompts[i] for i in wave],
                                      pool, config))
   return transcripts
 

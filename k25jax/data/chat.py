@@ -162,6 +162,30 @@ def _history_end(messages: Sequence[dict]) -> int:
   return 0
 
 
+def _message_segments(message: dict, thinking: bool, current: bool) -> list[Segment]:
+  """One message's segments; `current`: an assistant message of the current round (its
+  reasoning kept when thinking)."""
+  role = message["role"]
+  learned = role == "assistant"
+  out = [(HEADERS[role], True, False), (message.get("name") or role, False, False), (IM_MIDDLE, True, False)]
+  if role == "tool":
+    out.append((f"## Return of {message['tool_call_id']}\n", False, False))
+  if role == "assistant":
+    reasoning = (message.get("reasoning_content") or "") if thinking and current else ""
+    out += [(THINK, True, False), (reasoning, False, True), (END_THINK, True, thinking)]
+  out += _content_segments(message.get("content") or "", learned)
+  if message.get("tool_calls"):
+    out += _calls_segments(message["tool_calls"])
+  out.append((IM_END, True, learned))
+  return out
+
+
+def _generation_prompt(thinking: bool) -> list[Segment]:
+  out = [(HEADERS["assistant"], True, False), ("assistant", False, False), (IM_MIDDLE, True, False),
+         (THINK, True, False)]
+  return out if thinking else out + [(END_THINK, True, False)]
+
+
 def segments(messages: Sequence[dict], tools: Sequence[dict] | None = None, thinking: bool = False,
              add_generation_prompt: bool = False) -> list[Segment]:
   """The conversation as (text, special, learned) segments, in order."""
@@ -177,24 +201,8 @@ def segments(messages: Sequence[dict], tools: Sequence[dict] | None = None, thin
             (DEFAULT_SYSTEM, False, False), (IM_END, True, False)]
   history = _history_end(messages)
   for index, message in enumerate(messages):
-    role = message["role"]
-    learned = role == "assistant"
-    out += [(HEADERS[role], True, False), (message.get("name") or role, False, False), (IM_MIDDLE, True, False)]
-    if role == "tool":
-      out.append((f"## Return of {message['tool_call_id']}\n", False, False))
-    if role == "assistant":
-      reasoning = (message.get("reasoning_content") or "") if thinking and index >= history else ""
-      out += [(THINK, True, False), (reasoning, False, True), (END_THINK, True, thinking)]
-    out += _content_segments(message.get("content") or "", learned)
-    if message.get("tool_calls"):
-      out += _calls_segments(message["tool_calls"])
-    out.append((IM_END, True, learned))
-  if add_generation_prompt:
-    out += [(HEADERS["assistant"], True, False), ("assistant", False, False), (IM_MIDDLE, True, False),
-            (THINK, True, False)]
-    if not thinking:
-      out.append((END_THINK, True, False))
-  return out
+    out += _message_segments(message, thinking, index >= history)
+  return out + (_generation_prompt(thinking) if add_generation_prompt else [])
 
 
 def render_text(messages: Sequence[dict], tools: Sequence[dict] | None = None, thinking: bool = False,
@@ -203,10 +211,9 @@ def render_text(messages: Sequence[dict], tools: Sequence[dict] | None = None, t
   return "".join(text for text, _, _ in segments(messages, tools, thinking, add_generation_prompt))
 
 
-def render_ids(tok: Tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-               thinking: bool = False, add_generation_prompt: bool = False) -> tuple[list[int], list[float]]:
-  """(ids, loss mask) of render_text's conversation: the text between special tokens encoded
-  as one piece (as a tokenizer reads the whole string), mask 1 on what the model writes."""
+def _ids(tok: Tokenizer, segs: Sequence[Segment]) -> tuple[list[int], list[float]]:
+  """(ids, loss mask) of segments: the text between special tokens encoded as one piece (as a
+  tokenizer reads the whole string), mask 1 on the learned segments."""
   missing = [n for n in (IM_END, IM_MIDDLE, THINK, SECTION_BEGIN) if n not in tok.special]
   if missing:
     raise ValueError(f"the tokenizer has no chat tokens ({missing[0]}...): use one with chat=True or a Kimi vocabulary")
@@ -219,7 +226,7 @@ def render_ids(tok: Tokenizer, messages: Sequence[dict], tools: Sequence[dict] |
     ids.extend(pieces)
     mask.extend([float(run_learned)] * len(pieces))
 
-  for text, special, learned in segments(messages, tools, thinking, add_generation_prompt):
+  for text, special, learned in segs:
     if special:
       flush()
       run = ""
@@ -232,6 +239,22 @@ def render_ids(tok: Tokenizer, messages: Sequence[dict], tools: Sequence[dict] |
       run, run_learned = run + text, learned
   flush()
   return ids, mask
+
+
+def render_ids(tok: Tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+               thinking: bool = False, add_generation_prompt: bool = False) -> tuple[list[int], list[float]]:
+  """(ids, loss mask) of render_text's conversation (`_ids`: mask 1 on what the model writes)."""
+  return _ids(tok, segments(messages, tools, thinking, add_generation_prompt))
+
+
+def continuation_ids(tok: Tokenizer, messages: Sequence[dict], thinking: bool = False) -> list[int]:
+  """The ids that follow an assistant turn in a conversation: `messages` (e.g. the results of
+  its tool calls) rendered as render_ids renders them there, then the generation prompt.
+  Thinking on, the messages of the current round keep their reasoning."""
+  for message in messages:
+    _check(message)
+  segs = [seg for m in messages for seg in _message_segments(m, thinking, True)] + _generation_prompt(thinking)
+  return _ids(tok, segs)[0]
 
 
 def parse_assistant(tok: Tokenizer, ids: Sequence[int], thinking: bool = False,

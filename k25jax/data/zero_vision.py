@@ -4,7 +4,8 @@ The model never sees the image: the question names it (`img_2`), the assistant w
 code that works on the array of that name with `k25jax.agents.image_ops` (binarize,
 colour masks, connected components, boxes, region comparison), the tool's output comes
 from ACTUALLY running that code in a sandbox session holding the task's image, and the
-final turn states the answer:
+final turn states the answer (in k25jax's legacy chat format; `k25jax.data.tool_formats`
+writes the same trajectory in Kimi K2.5's, the code as a call of the declared `python` tool):
 
     <|user|> How many red objects are in img_2? <|end|>
     <|assistant|> <|call|> print(count_objects(img_2, "red")) <|end|>
@@ -14,7 +15,7 @@ final turn states the answer:
 Tasks and their reference programs come from `k25jax.data.image_tasks` (counting,
 locating, comparing, reading); a trajectory uses the one-call program, or with
 probability `p_two_calls` the two-call one whose second call reads the state the first
-left in the session. The loss mask is 1 only on the assistant's tokens (`chat.render`).
+left in the session. The loss mask is 1 only on what the model writes (`fmt.trajectory`).
 The answer is the task's ground truth, computed from the drawing, and generation fails
 loudly if the tool's final output disagrees with it.
 """
@@ -25,15 +26,9 @@ from typing import Sequence
 
 import numpy as np
 
-from k25jax.data import legacy_chat as chat, image_tasks
+from k25jax.data import legacy_chat, image_tasks
 
-
-def conversation(task: image_tasks.ImageTask, program: Sequence[str], outputs: Sequence[str]) -> list[chat.Message]:
-  """user question, (tool call, tool output) per program step, the answer."""
-  messages = [chat.Message("user", task.question)]
-  for code, output in zip(program, outputs, strict=True):
-    messages += [chat.Message("assistant", code, call=True), chat.Message("tool", output)]
-  return messages + [chat.Message("assistant", task.answer)]
+Steps = list[tuple[str, str]]   # a trajectory's (code, tool output) per call
 
 
 def shards(tasks: Sequence[image_tasks.ImageTask]) -> list[list[int]]:
@@ -61,7 +56,7 @@ async def _run_shard(pool, tasks, shard: list[int], programs, output_chars: int)
         result = await session.arun(code)
         if not result.ok:
           raise RuntimeError(f"reference program of a {task.kind} task failed in the sandbox: {result.error}\n{code}")
-        outputs[i].append(chat.tool_output(result, output_chars))
+        outputs[i].append(legacy_chat.tool_output(result, output_chars))
       if not image_tasks.grade(outputs[i][-1], task.answer):
         raise RuntimeError(f"the tool printed {outputs[i][-1]!r} for a {task.kind} task whose answer is "
                            f"{task.answer!r}")
@@ -75,8 +70,9 @@ async def _run_all(pool, tasks, programs, output_chars: int) -> list[list[str]]:
 
 
 def conversations(tasks: Sequence[image_tasks.ImageTask], pool, *, p_two_calls: float, seed: int,
-                  output_chars: int = 120) -> list[list[chat.Message]]:
-  """One trajectory per task, its tool outputs from sandbox sessions of `pool`. Deterministic given seed.
+                  output_chars: int = 120) -> list[Steps]:
+  """One trajectory per task: the (code, output) of each call, the outputs from sandbox
+  sessions of `pool` (the answer is the task's). Deterministic given seed.
 
   A worker process costs ~0.1 s of CPU to start, so tasks whose images have different
   names share a session (`shards`): each program runs verbatim on its own image, and every
@@ -87,26 +83,26 @@ def conversations(tasks: Sequence[image_tasks.ImageTask], pool, *, p_two_calls: 
   two = np.random.default_rng([seed, 2]).random(len(tasks)) < p_two_calls
   programs = [task.programs[-1] if pick else task.programs[0] for task, pick in zip(tasks, two)]
   outputs = asyncio.run(_run_all(pool, tasks, programs, output_chars))
-  return [conversation(t, p, o) for t, p, o in zip(tasks, programs, outputs)]
+  return [list(zip(p, o, strict=True)) for p, o in zip(programs, outputs)]
 
 
-def encode(tok: chat.ChatTokenizer, convs: Sequence[Sequence[chat.Message]], max_length: int
-           ) -> dict[str, np.ndarray]:
-  """Rendered conversations, right-padded: tokens int32 [n, max_length], loss_mask float32
-  [n, max_length] (1 on assistant tokens), length int32 [n]."""
-  rendered = [chat.render(tok, c) for c in convs]
+def encode(rendered: Sequence[tuple[list[int], list[float]]], max_length: int, pad_id: int) -> dict[str, np.ndarray]:
+  """Rendered trajectories (ids, loss mask), right-padded: tokens int32 [n, max_length],
+  loss_mask float32 [n, max_length], length int32 [n]."""
   longest = max(len(t) for t, _ in rendered)
   if longest > max_length:
     raise ValueError(f"a conversation has {longest} tokens, more than data.max_length={max_length}")
-  tokens = np.full((len(rendered), max_length), tok.pad_id, np.int32)
+  tokens = np.full((len(rendered), max_length), pad_id, np.int32)
   mask = np.zeros((len(rendered), max_length), np.float32)
   for i, (t, m) in enumerate(rendered):
     tokens[i, :len(t)], mask[i, :len(m)] = t, m
   return {"tokens": tokens, "loss_mask": mask, "length": np.array([len(t) for t, _ in rendered], np.int32)}
 
 
-def dataset(n: int, seed: int, pool, tok: chat.ChatTokenizer, *, image_size: int, kinds: Sequence[str],
-            p_two_calls: float, max_length: int) -> dict[str, np.ndarray]:
-  """n zero-vision SFT trajectories over fresh tasks (`image_tasks.make_tasks(n, seed, ...)`)."""
+def dataset(n: int, seed: int, pool, fmt, *, image_size: int, kinds: Sequence[str], p_two_calls: float,
+            max_length: int) -> dict[str, np.ndarray]:
+  """n zero-vision SFT trajectories over fresh tasks (`image_tasks.make_tasks(n, seed, ...)`),
+  rendered in the tool format `fmt` (`k25jax.data.tool_formats`)."""
   tasks = image_tasks.make_tasks(n, seed, image_size, tuple(kinds))
-  return encode(tok, conversations(tasks, pool, p_two_calls=p_two_calls, seed=seed), max_length)
+  steps = conversations(tasks, pool, p_two_calls=p_two_calls, seed=seed)
+  return encode([fmt.trajectory(t.question, s, t.answer) for t, s in zip(tasks, steps)], max_length, fmt.pad_id)

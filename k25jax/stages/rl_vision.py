@@ -36,7 +36,7 @@ import ml_collections
 import numpy as np
 
 from k25jax.agents import tool_rollout
-from k25jax.data import chat_formats, legacy_chat as chat, image_tasks
+from k25jax.data import chat_formats, image_tasks, tool_formats
 from k25jax.data import vision as vision_data
 from k25jax.model import k25
 from k25jax.model.config import K25Config
@@ -72,28 +72,25 @@ def make_tasks(n: int, seed: int, kinds: tuple[str, ...], image_size: int, exclu
 
 @dataclasses.dataclass
 class TaskSplit:
-  """Tasks with their preprocessed images and the prompts' media blocks (None and no block
-  for a text-only task)."""
+  """Tasks with their preprocessed images (None for a text-only task)."""
 
   tasks: list
   items: list[vision_data.Media | None]
-  blocks: list[list[int]]
 
   @classmethod
-  def of(cls, made: list, tok: chat.ChatTokenizer, max_patches: int = vision_data.IMAGE_MAX_PATCHES) -> "TaskSplit":
-    """`made` with their images preprocessed (at most `max_patches` patches each) and media blocks."""
-    items = [vision_data.preprocess_image(t.image, max_patches=max_patches) if t.images else None for t in made]
-    return cls(made, items, [vision_data.media_token_ids(m, tok) if m is not None else [] for m in items])
+  def of(cls, made: list, max_patches: int = vision_data.IMAGE_MAX_PATCHES) -> "TaskSplit":
+    """`made` with their images preprocessed (at most `max_patches` patches each)."""
+    return cls(made, [vision_data.preprocess_image(t.image, max_patches=max_patches) if t.images else None
+                      for t in made])
 
   @classmethod
-  def make(cls, n: int, seed: int, config, tok: chat.ChatTokenizer, held_out_from: "TaskSplit | None" = None
-           ) -> "TaskSplit":
+  def make(cls, n: int, seed: int, config, held_out_from: "TaskSplit | None" = None) -> "TaskSplit":
     """`held_out_from`: the training split, whose sums this split must not repeat."""
     seen = frozenset((t.a, t.b) for t in held_out_from.tasks if t.kind == "addition") if held_out_from else frozenset()
-    return cls.of(make_tasks(n, seed, parse_kinds(config.task.kinds), config.task.image_size, seen), tok)
+    return cls.of(make_tasks(n, seed, parse_kinds(config.task.kinds), config.task.image_size, seen))
 
   @classmethod
-  def from_config(cls, config, tok: chat.ChatTokenizer) -> tuple["TaskSplit", "TaskSplit"]:
+  def from_config(cls, config) -> tuple["TaskSplit", "TaskSplit"]:
     """(training split, held-out split): the generated tasks of `task.kinds`, or with `task.files`
     the records of the user's files (`prompt_files.vision_tasks`), their images scaled to at most
     the patches of a `task.image_size` square."""
@@ -101,12 +98,12 @@ class TaskSplit:
     if task.files:
       train, held_out = prompt_files.vision_tasks(task)
       budget = max(1, task.image_size // vision_data.PATCH_SIZE) ** 2
-      return cls.of(train, tok, budget), cls.of(held_out, tok, budget)
-    train = cls.make(task.train_prompts, task.seed, config, tok)
-    return train, cls.make(task.eval_prompts, task.seed + 1, config, tok, held_out_from=train)
+      return cls.of(train, budget), cls.of(held_out, budget)
+    train = cls.make(task.train_prompts, task.seed, config)
+    return train, cls.make(task.eval_prompts, task.seed + 1, config, held_out_from=train)
 
   def take(self, rows) -> "TaskSplit":
-    return TaskSplit([self.tasks[r] for r in rows], [self.items[r] for r in rows], [self.blocks[r] for r in rows])
+    return TaskSplit([self.tasks[r] for r in rows], [self.items[r] for r in rows])
 
   @property
   def patches_per_row(self) -> int:
@@ -124,34 +121,34 @@ def ability_metrics(transcripts, split_tasks) -> dict[str, float]:
   return out
 
 
-def play(config, model_cfg: K25Config, params, tok, pool, split: TaskSplit, *, temperature: float, seed: int,
+def play(config, model_cfg: K25Config, params, fmt, pool, split: TaskSplit, *, temperature: float, seed: int,
          per_row: int):
   """One episode per task of `split` (with the tool if `rl.tool`)."""
   r = config.rl
   sampling = sampler.SamplingConfig(max_new_tokens=r.turn_tokens, temperature=temperature, top_k=r.top_k,
-                                    top_p=r.top_p, stop_tokens=(tok.end_id,), pad_id=tok.pad_id,
-                                    banned_tokens=tool_rollout.banned_tokens(tok))
+                                    top_p=r.top_p, stop_tokens=(fmt.stop_id,), pad_id=fmt.pad_id,
+                                    banned_tokens=tool_rollout.banned_tokens(fmt.tokenizer))
   decode = tool_rollout.vision_decoder(model_cfg, params, sampling, lambda e: split.items[e], seed,
                                        min_rows=pool.max_sessions, per_row=per_row)
   rollout_config = tool_rollout.RolloutConfig(max_turns=r.max_turns, max_context=r.max_context,
                                               turn_tokens=r.turn_tokens, tool=r.tool,
                                               output_chars=config.sandbox.output_chars)
-  return tool_rollout.play(decode, tok, split.tasks, pool, rollout_config, media=split.blocks)
+  return tool_rollout.play(decode, fmt, split.tasks, pool, rollout_config, media=split.items)
 
 
-def toggle_budgets(config, model_cfg: K25Config, params, tok, pool, split: TaskSplit, per_row: int) -> np.ndarray:
+def toggle_budgets(config, model_cfg: K25Config, params, fmt, pool, split: TaskSplit, per_row: int) -> np.ndarray:
   """budget(x) for every training task: the ρ-percentile of the generated tokens of the
   starting policy's correct episodes (toggle.budget_samples a task, at rl.temperature)."""
   rows = np.arange(len(split.tasks))
   k = config.toggle.budget_samples
   episodes = split.take(np.repeat(rows, k))
-  transcripts = play(config, model_cfg, params, tok, pool, episodes, temperature=config.rl.temperature,
+  transcripts = play(config, model_cfg, params, fmt, pool, episodes, temperature=config.rl.temperature,
                      seed=config.train.seed + 7, per_row=per_row)
   correct = [task.grade(t.answer) for t, task in zip(transcripts, episodes.tasks)]
   return toggle.budgets(config.toggle, [sum(t.loss_mask) for t in transcripts], correct, np.repeat(rows, k), len(rows))
 
 
-def collector(config, model_cfg: K25Config, tok, pool, split: TaskSplit, per_row: int, budgets: np.ndarray):
+def collector(config, model_cfg: K25Config, fmt, pool, split: TaskSplit, per_row: int, budgets: np.ndarray):
   """collect(params, i): iteration i's P tasks × K episodes, graded, Toggle-shaped, as loss rows
   with their images."""
   r, k, seed = config.rl, config.rl.num_generations, config.train.seed
@@ -159,14 +156,14 @@ def collector(config, model_cfg: K25Config, tok, pool, split: TaskSplit, per_row
   def collect(params, it: int) -> driver.Rollouts:
     rows = np.random.default_rng([seed, it]).choice(len(split.tasks), r.prompts_per_iteration, replace=False)
     episodes = split.take(np.repeat(rows, k))
-    transcripts = play(config, model_cfg, params, tok, pool, episodes, temperature=r.temperature,
+    transcripts = play(config, model_cfg, params, fmt, pool, episodes, temperature=r.temperature,
                        seed=seed * 7919 + it, per_row=per_row)
     reward = np.array([task.reward(t.answer) for t, task in zip(transcripts, episodes.tasks)], np.float32)
     correct = np.array([task.grade(t.answer) for t, task in zip(transcripts, episodes.tasks)], bool)
     lengths = np.array([sum(t.loss_mask) for t in transcripts], np.float32)
     shaped, phase = toggle.shape_rewards(config.toggle, k, it, reward, correct, lengths,
                                          np.repeat(budgets[rows], k))
-    return driver.Rollouts(rollout.loss_rows(transcripts, r.max_context, tok.pad_id), shaped,
+    return driver.Rollouts(rollout.loss_rows(transcripts, r.max_context, fmt.pad_id), shaped,
                            {"reward": float(reward.mean()), "shaped_reward": float(shaped.mean()),
                             "toggle_phase": phase, **tool_rollout.summarize(transcripts, episodes.tasks),
                             **ability_metrics(transcripts, episodes.tasks)},
@@ -182,14 +179,14 @@ def device_minibatch(rows: dict, items, model_cfg: K25Config, mesh, per_row: int
                               mesh)
 
 
-def evaluate(config, model_cfg, params, tok, pool, split: TaskSplit, per_row: int) -> dict[str, float]:
+def evaluate(config, model_cfg, params, fmt, pool, split: TaskSplit, per_row: int) -> dict[str, float]:
   """Sampled (rl.eval_samples per task, training temperature) and greedy held-out metrics,
   overall and per ability."""
   k = config.rl.eval_samples
   repeated = split.take(np.repeat(np.arange(len(split.tasks)), k))
-  sampled = play(config, model_cfg, params, tok, pool, repeated, temperature=config.rl.temperature,
+  sampled = play(config, model_cfg, params, fmt, pool, repeated, temperature=config.rl.temperature,
                  seed=config.train.seed + 1, per_row=per_row)
-  greedy = play(config, model_cfg, params, tok, pool, split, temperature=0.0, seed=config.train.seed + 1,
+  greedy = play(config, model_cfg, params, fmt, pool, split, temperature=0.0, seed=config.train.seed + 1,
                 per_row=per_row)
   out = {**tool_rollout.summarize(sampled, repeated.tasks), **ability_metrics(sampled, repeated.tasks)}
   out["greedy_accuracy"] = tool_rollout.summarize(greedy, split.tasks)["accuracy"]
@@ -211,22 +208,23 @@ def check(config) -> None:
 def run(config: ml_collections.ConfigDict, workdir: str):
   """Vision RL from `init.checkpoint`; resumes from workdir/checkpoints. Returns (state, history)."""
   check(config)
-  tok = chat.ChatTokenizer()
+  fmt = tool_formats.get("legacy")   # the stage's episodes are in k25jax's legacy chat format (issue 41)
+  tok = fmt.tokenizer
   model = k25.K25(config_utils.k25_config_from(config.model, tok))
   mesh = sharding.make_mesh(config.mesh.to_dict())
-  train_split, eval_split = TaskSplit.from_config(config, tok)
+  train_split, eval_split = TaskSplit.from_config(config)
   per_row = max(train_split.patches_per_row, eval_split.patches_per_row)
   by_ability = [f"{ability}/accuracy" for ability in dict.fromkeys(tasks.ABILITIES[t.kind] for t in eval_split.tasks)]
   with tool_rollout.sandbox_pool(config.sandbox) as pool, \
       trainer_lib.Trainer.for_config(config, workdir, model, driver.make_optimizer(config), mesh,
                                      tokenizer=chat_formats.record_of(tok)) as trainer:
     state = trainer.start(config.init)
-    budgets = (toggle.fixed_budgets(workdir, lambda: toggle_budgets(config, model.cfg, state.params, tok, pool,
+    budgets = (toggle.fixed_budgets(workdir, lambda: toggle_budgets(config, model.cfg, state.params, fmt, pool,
                                                                     train_split, per_row))
                if config.toggle.enabled else np.zeros(len(train_split.tasks), np.float32))
     return driver.train(
-        trainer, state, config, collect=collector(config, model.cfg, tok, pool, train_split, per_row, budgets),
-        evaluate=lambda params: evaluate(config, model.cfg, params, tok, pool, eval_split, per_row),
+        trainer, state, config, collect=collector(config, model.cfg, fmt, pool, train_split, per_row, budgets),
+        evaluate=lambda params: evaluate(config, model.cfg, params, fmt, pool, eval_split, per_row),
         name="rl_vision", log_keys=("reward", "tool_call_success", "calls_per_episode", "loss", "sample_s", "train_s"),
         eval_keys=("accuracy", "greedy_accuracy", "tool_call_success", "calls_per_episode", "generated_tokens",
                    *by_ability),

@@ -39,8 +39,8 @@ import numpy as np
 from absl import logging
 
 from k25jax.agents import tool_rollout
-from k25jax.data import chat_files, chat_formats, files as files_lib, legacy_chat as chat, image_tasks, packing, sources
-from k25jax.data import tokenizer as tokenizer_lib, visual_synthetic, zero_vision
+from k25jax.data import chat_files, chat_formats, files as files_lib, image_tasks, packing, sources
+from k25jax.data import tokenizer as tokenizer_lib, tool_formats, visual_synthetic, zero_vision
 from k25jax.data import vision as vision_data
 from k25jax.model import k25
 from k25jax.model.config import K25Config
@@ -56,67 +56,83 @@ def kinds(config) -> tuple[str, ...]:
   return image_tasks.parse_kinds(config.data.kinds, "data.kinds")
 
 
-def trajectories(config, tok: chat.ChatTokenizer, pool, workdir: str) -> dict[str, np.ndarray]:
-  """The zero-vision trajectories: read from the workdir, or generated (tool outputs from the sandbox) and saved."""
+def trajectories(config, fmt, pool, workdir: str) -> dict[str, np.ndarray]:
+  """The zero-vision trajectories in the tool format `fmt`: read from the workdir, or generated
+  (tool outputs from the sandbox) and saved."""
   d = config.data
   key = {k: d[k] for k in ("trajectories", "seed", "image_size", "kinds", "p_two_calls", "max_length")}
+  if fmt.name != "legacy":
+    key["chat_format"] = fmt.name
   fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
   path = os.path.join(workdir, f"sft_data_{fingerprint}.npz")
   if os.path.exists(path):
     with np.load(path) as f:
       return dict(f)
-  data = zero_vision.dataset(d.trajectories, d.seed, pool, tok, image_size=d.image_size, kinds=kinds(config),
+  data = zero_vision.dataset(d.trajectories, d.seed, pool, fmt, image_size=d.image_size, kinds=kinds(config),
                              p_two_calls=d.p_two_calls, max_length=d.max_length)
   if jax.process_index() == 0:
     checkpoint.write_atomically(path, lambda f: np.savez(f, **data))
   return data
 
 
-def visual_examples(config, tok: chat.ChatTokenizer) -> tuple[dict[str, np.ndarray], list[vision_data.Media]]:
+def visual_examples(config, fmt) -> tuple[dict[str, np.ndarray], list[vision_data.Media]]:
   """data.visual_examples image + question → direct answer conversations (tasks of another
   seed than the trajectories'), right-padded to the longest, and their images."""
   d = config.data
   tasks = image_tasks.make_tasks(d.visual_examples, d.seed + 7919, d.image_size, kinds(config))
   items = [vision_data.preprocess_image(t.image) for t in tasks]
-  convs = [[chat.Message("user", t.question, prefix=tuple(vision_data.media_token_ids(m, tok))),
-            chat.Message("assistant", t.answer)] for t, m in zip(tasks, items)]
-  width = max(len(chat.render(tok, c)[0]) for c in convs)
-  return zero_vision.encode(tok, convs, width), items
+  rendered = [fmt.trajectory(t.question, [], t.answer, media=m) for t, m in zip(tasks, items)]
+  return zero_vision.encode(rendered, max(len(ids) for ids, _ in rendered), fmt.pad_id), items
 
 
 ARITHMETIC_SEED_OFFSET = 104729   # the addition demonstrations' seed: data.seed + this
 
 
-def arithmetic_examples(config, tok: chat.ChatTokenizer) -> dict[str, np.ndarray]:
-  """data.arithmetic_examples 2-digit addition conversations in the chat format (the user asks
+class ToolPrompts:
+  """A question as the tool rollouts prompt it (`fmt.prompt`: in the K2.5 format the python
+  tool declared), answered directly: the addition demonstrations' rendering
+  (`rl_tasks.addition_demonstrations`' `render`)."""
+
+  def __init__(self, fmt):
+    self.fmt, self.pad_id = fmt, fmt.pad_id
+
+  def prompt(self, question: str) -> list[int]:
+    return self.fmt.prompt(question)
+
+  def completion(self, text: str) -> list[int]:
+    return self.fmt.tokenizer.encode(text) + [self.fmt.stop_id]
+
+
+def arithmetic_examples(config, fmt) -> dict[str, np.ndarray]:
+  """data.arithmetic_examples 2-digit addition conversations in the tool format (the user asks
   `57+68=`, the assistant answers in one of the task's four correct forms; `k25jax.rl.tasks`),
   right-padded to data.max_length like the trajectories."""
   d = config.data
   demos = rl_tasks.addition_demonstrations(d.arithmetic_examples, d.seed + ARITHMETIC_SEED_OFFSET,
-                                           render=rl_tasks.ChatRendering(tok))
+                                           render=ToolPrompts(fmt))
   width = demos["tokens"].shape[1]
   pad = lambda x, value: np.pad(x, ((0, 0), (0, d.max_length - width)), constant_values=value)
-  return {"tokens": pad(demos["tokens"], tok.pad_id), "loss_mask": pad(demos["completion_mask"], 0.0),
+  return {"tokens": pad(demos["tokens"], fmt.pad_id), "loss_mask": pad(demos["completion_mask"], 0.0),
           "length": demos["length"], "a": demos["a"], "b": demos["b"]}
 
 
 REPLAY_SOURCE, REPLAY_MAX_CHARS, REPLAY_EVAL_EVERY = "python_stdlib", 1000, 50   # configs/pretrain.py:tiny's text
 
 
-def text_replay(config, tok: chat.ChatTokenizer) -> dict[str, np.ndarray]:
+def text_replay(config, fmt) -> dict[str, np.ndarray]:
   """data.text_replay rows of pre-training text: the training documents of the text
   pre-training stage (every 50th held out, as there and in the recipe's probes), shuffled
   by data.seed, cut into pieces of data.max_length − 1 bytes, each `BOS piece` with the
   loss on every token after BOS, right-padded to data.max_length. Raises ValueError when
   the documents give fewer pieces than asked."""
-  d = config.data
+  d, tok = config.data, fmt.tokenizer
   docs, _ = sources.split(sources.load(REPLAY_SOURCE, REPLAY_MAX_CHARS), REPLAY_EVAL_EVERY)
   order = np.random.default_rng(d.seed).permutation(len(docs))
   piece = d.max_length - 1
   rows = [ids[i:i + piece] for j in order for ids in [tok.encode(docs[j])] for i in range(0, len(ids), piece)]
   if len(rows) < d.text_replay:
     raise ValueError(f"data.text_replay={d.text_replay}: the pre-training text gives {len(rows)} rows")
-  tokens = np.full((d.text_replay, d.max_length), tok.pad_id, np.int32)
+  tokens = np.full((d.text_replay, d.max_length), fmt.pad_id, np.int32)
   loss_mask = np.zeros((d.text_replay, d.max_length), np.float32)
   lengths = np.zeros(d.text_replay, np.int32)
   for r, ids in enumerate(rows[:d.text_replay]):
@@ -131,16 +147,16 @@ def text_replay(config, tok: chat.ChatTokenizer) -> dict[str, np.ndarray]:
 REPLAY_VISION_TASKS = ("caption", "count", "read", "chart")
 
 
-def vision_replay(config, tok: chat.ChatTokenizer) -> tuple[dict[str, np.ndarray], list[vision_data.Media]]:
+def vision_replay(config, fmt) -> tuple[dict[str, np.ndarray], list[vision_data.Media]]:
   """data.vision_replay samples of the joint pre-training's synthetic vision tasks, drawn as its
   stream is (`visual_synthetic.sample`, seed data.seed) over REPLAY_VISION_TASKS (the recipe's
   probes draw another seed): `BOS media block prompt answer EOS`, the loss on the answer and
   EOS as in pre-training, right-padded to the longest; and their images. Not SFT data:
   pre-training rows, replayed against forgetting."""
-  samples = [visual_synthetic.sample(i, config.data.seed, tok, REPLAY_VISION_TASKS)
+  samples = [visual_synthetic.sample(i, config.data.seed, fmt.tokenizer, REPLAY_VISION_TASKS)
              for i in range(config.data.vision_replay)]
   width = max(len(s) for s in samples)
-  tokens = np.full((len(samples), width), tok.pad_id, np.int32)
+  tokens = np.full((len(samples), width), fmt.pad_id, np.int32)
   loss_mask = np.zeros((len(samples), width), np.float32)
   for r, s in enumerate(samples):
     tokens[r, :len(s)] = s.tokens
@@ -149,16 +165,16 @@ def vision_replay(config, tok: chat.ChatTokenizer) -> tuple[dict[str, np.ndarray
   return data, [s.media[0] for s in samples]
 
 
-def image_rows(config, tok: chat.ChatTokenizer) -> tuple[dict[str, np.ndarray], list[vision_data.Media]] | None:
+def image_rows(config, fmt) -> tuple[dict[str, np.ndarray], list[vision_data.Media]] | None:
   """The conversations with an image (visual SFT examples, then vision replay samples), right-
   padded to the longest of them, and their images; None when there are none."""
-  parts = ([visual_examples(config, tok)] if config.data.visual_sft else []) + (
-      [vision_replay(config, tok)] if config.data.vision_replay else [])
+  parts = ([visual_examples(config, fmt)] if config.data.visual_sft else []) + (
+      [vision_replay(config, fmt)] if config.data.vision_replay else [])
   if not parts:
     return None
   width = max(data["tokens"].shape[1] for data, _ in parts)
   pad = lambda x, value: np.pad(x, ((0, 0), (0, width - x.shape[1])), constant_values=value)
-  data = {"tokens": np.concatenate([pad(d["tokens"], tok.pad_id) for d, _ in parts]),
+  data = {"tokens": np.concatenate([pad(d["tokens"], fmt.pad_id) for d, _ in parts]),
           "loss_mask": np.concatenate([pad(d["loss_mask"], 0.0) for d, _ in parts]),
           "length": np.concatenate([d["length"] for d, _ in parts])}
   return data, [m for _, items in parts for m in items]
@@ -223,24 +239,23 @@ def rollout_config(config, tool: bool = True) -> tool_rollout.RolloutConfig:
                                     tool=tool, output_chars=config.sandbox.output_chars)
 
 
-def play(config, model_cfg: K25Config, params, tok, pool, tasks, *, image: bool, tool: bool, temperature: float,
+def play(config, model_cfg: K25Config, params, fmt, pool, tasks, *, image: bool, tool: bool, temperature: float,
          seed: int) -> list[tool_rollout.ToolEpisode]:
   """One episode per task: the question alone (text) or after its image block, tool on or off."""
   sampling = sampler.SamplingConfig(max_new_tokens=config.eval.turn_tokens, temperature=temperature,
-                                    stop_tokens=(tok.end_id,), pad_id=tok.pad_id,
-                                    banned_tokens=tool_rollout.banned_tokens(tok))
+                                    stop_tokens=(fmt.stop_id,), pad_id=fmt.pad_id,
+                                    banned_tokens=tool_rollout.banned_tokens(fmt.tokenizer))
   if not image:
     decode = tool_rollout.text_decoder(model_cfg.text, params[k25.LANGUAGE_MODEL], sampling, seed,
                                        min_rows=pool.max_sessions)
-    return tool_rollout.play(decode, tok, tasks, pool, rollout_config(config, tool))
+    return tool_rollout.play(decode, fmt, tasks, pool, rollout_config(config, tool))
   items = [vision_data.preprocess_image(t.image) for t in tasks]
   decode = tool_rollout.vision_decoder(model_cfg, params, sampling, lambda e: items[e], seed,
                                        min_rows=pool.max_sessions)
-  return tool_rollout.play(decode, tok, tasks, pool, rollout_config(config, tool),
-                           media=[vision_data.media_token_ids(m, tok) for m in items])
+  return tool_rollout.play(decode, fmt, tasks, pool, rollout_config(config, tool), media=items)
 
 
-def evaluate(config, model_cfg: K25Config, params, tok, pool, arithmetic: list | None = None) -> dict[str, dict]:
+def evaluate(config, model_cfg: K25Config, params, fmt, pool, arithmetic: list | None = None) -> dict[str, dict]:
   """Greedy rollouts on `eval.tasks` held-out image tasks in each of SETTINGS (`eval.settings`),
   and on the held-out `arithmetic` tasks (text, tool on) when given."""
   e = config.eval
@@ -251,11 +266,11 @@ def evaluate(config, model_cfg: K25Config, params, tok, pool, arithmetic: list |
     if name not in SETTINGS:
       raise ValueError(f"eval.settings names {name!r}; choose from {tuple(SETTINGS)}")
     image, tool = SETTINGS[name]
-    transcripts = play(config, model_cfg, params, tok, pool, image_set, image=image, tool=tool, temperature=0.0,
+    transcripts = play(config, model_cfg, params, fmt, pool, image_set, image=image, tool=tool, temperature=0.0,
                        seed=e.seed)
     out[name] = tool_rollout.summarize(transcripts, image_set)
   if arithmetic:
-    transcripts = play(config, model_cfg, params, tok, pool, arithmetic, image=False, tool=True, temperature=0.0,
+    transcripts = play(config, model_cfg, params, fmt, pool, arithmetic, image=False, tool=True, temperature=0.0,
                        seed=e.seed)
     out["arithmetic"] = tool_rollout.summarize(transcripts, arithmetic)
   return out
@@ -290,6 +305,8 @@ def check(config) -> None:
   d = config.data
   if d.source not in SOURCES:
     raise ValueError(f"config: data.source={d.source!r}: must be one of {SOURCES}")
+  if d.chat_format not in tool_formats.NAMES:
+    raise ValueError(f"config: data.chat_format={d.chat_format!r}: must be one of {tool_formats.NAMES}")
   if d.source == "zero_vision":
     for name in ("files", "eval_files", "vocab_file"):
       if d[name]:
@@ -298,6 +315,9 @@ def check(config) -> None:
       raise ValueError("config: data.tokenizer: the zero-vision trajectories are rendered by k25jax's legacy chat "
                        "tokenizer; other tokenizers go with data.source='files'")
     return
+  if d.chat_format != "k2.5":
+    raise ValueError("config: data.source='files' renders chats in the K2.5 chat format: data.chat_format must be "
+                     "'k2.5' (configs/sft.py:tiny,files)")
   for name in ZERO_VISION_ONLY:
     if d[name]:
       raise ValueError(f"config: data.{name}={d[name]!r} belongs to data.source='zero_vision'; data.source='files' "
@@ -311,7 +331,7 @@ def check(config) -> None:
                      "with the tokenizer)")
 
 
-def check_built(config, model_cfg: K25Config, tok: chat.ChatTokenizer, mesh) -> None:
+def check_built(config, model_cfg: K25Config, tok, mesh) -> None:
   """What shows once the pieces meet: the batches split over the mesh; the chat ids fit the model."""
   for name in ("batch", "visual_batch"):
     sharding.check_batch(mesh, config.train[name], f"train.{name}")
@@ -327,7 +347,8 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   check(config)
   if config.data.source == "files":
     return run_files(config, workdir)
-  tok = chat.ChatTokenizer()
+  fmt = tool_formats.get(config.data.chat_format)
+  tok = fmt.tokenizer
   model = k25.K25(config_utils.k25_config_from(config.model, tok))
   mesh = sharding.make_mesh(config.mesh.to_dict())
   check_built(config, model.cfg, tok, mesh)
@@ -335,16 +356,16 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   with tool_rollout.sandbox_pool(config.sandbox) as pool, \
       trainer_lib.Trainer.for_config(config, workdir, model, tx, mesh,
                                      tokenizer=chat_formats.record_of(tok)) as trainer:
-    text = trajectories(config, tok, pool, workdir)
+    text = trajectories(config, fmt, pool, workdir)
     arithmetic = None
     if config.data.arithmetic_examples:
-      sums = arithmetic_examples(config, tok)
+      sums = arithmetic_examples(config, fmt)
       text = {name: np.concatenate([text[name], sums[name]]) for name in ("tokens", "loss_mask", "length")}
       arithmetic = held_out_arithmetic(config, set(zip(sums["a"].tolist(), sums["b"].tolist())))
     if config.data.text_replay:
-      replay = text_replay(config, tok)
+      replay = text_replay(config, fmt)
       text = {name: np.concatenate([text[name], replay[name]]) for name in ("tokens", "loss_mask", "length")}
-    visual = image_rows(config, tok)
+    visual = image_rows(config, fmt)
     batches = Batches(config, model.cfg, text, visual)
     logging.info("sft: %d conversations (%.0f tokens each, %.0f under the loss) in %d packed rows%s",
                  len(text["tokens"]), text["length"].mean(), text["loss_mask"].sum(1).mean(),
@@ -357,7 +378,7 @@ def run(config: ml_collections.ConfigDict, workdir: str):
     rows = config.train.batch + (config.train.visual_batch if visual is not None else 0)
     state, history = trainer.fit(state, step, lambda n: multimodal.to_device(batches(n), mesh), config.train,
                                  tokens_per_step=rows * batches.width)
-    results = evaluate(config, model.cfg, state.params, tok, pool, arithmetic)
+    results = evaluate(config, model.cfg, state.params, fmt, pool, arithmetic)
     for name, r in results.items():
       trainer.writer.write(config.train.steps, r, f"eval/{name}")
       history.append({"split": f"eval/{name}", "step": config.train.steps, **r})
