@@ -202,7 +202,7 @@ def test_k25_format_replays_its_trajectories_and_answers_bad_calls_with_errors(p
   text = [K25.tokenizer.decode(x.tokens) for x in t]
   assert [x.calls for x in t] == [2, 1, 1, 1] and [x.call_errors for x in t] == [0, 1, 1, 1]
   assert ("## Return of functions.python:0\n<|im_end|><|im_system|>tool<|im_middle|>## Return of "
-          f"functions.python:1\n(56, 56, 3) 2<|im_end|>") in text[0]
+          "functions.python:1\n(56, 56, 3) 2<|im_end|>") in text[0]
   assert "Error: malformed call (bad_arguments)" in text[1] and "Error: malformed call (unknown_tool)" in text[2]
   assert "Error: malformed call (no_code)" in text[3]
   assert [x.answer for x in t] == ["done", "a", "b", None] and all(x.finish == "answer" for x in t)
