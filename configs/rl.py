@@ -26,7 +26,10 @@ image in the prompt and the sandboxed Python tool available, from `init.checkpoi
 the model must answer from the image alone. `get_config("joint")`: the same stage and model
 on text and image tasks together (2-digit addition in the chat format beside the four image
 kinds), grouped by ability, with per-ability accuracy and length in the logs. Both take the
-`toggle` switch (`configs/rl.py:joint,toggle`): Toggle on the generated tokens of an episode.
+`toggle` switch (`configs/rl.py:joint,toggle`): Toggle on the generated tokens of an episode,
+and the `k25_format` switch (`configs/rl.py:vision,k25_format`): the episodes in Kimi K2.5's
+chat format (`task.chat_format`; the python tool declared and called through tool-call
+sections), from an SFT in that format (`configs/sft.py:tiny,k25_format`).
 
 Run length: `train.steps` RL iterations, each `rl.prompts_per_iteration` prompts ×
 `rl.num_generations` samples, then `rl.minibatches` updates.
@@ -127,22 +130,26 @@ def toggle_section(enabled: bool, budget_samples: int) -> ml_collections.ConfigD
 def vision_config(preset: str, switches: set) -> ml_collections.ConfigDict:
   if "compact" in switches:
     raise ValueError(f"configs/rl.py:{preset}: the compact switch is for the tiny preset")
+  k25_format = "k25_format" in switches   # Kimi K2.5's chat format (data/tool_formats.py); its SFT: sft.py:tiny,k25_format
   c = ml_collections.ConfigDict()
   c.stage = "rl_vision"
-  c.model = common.k25_model_section("tiny", **common.TINY_CHAT_TEXT)
+  text = dict(common.TINY_CHAT_TEXT, **(dict(vocab_size=common.K25_FORMAT_VOCAB_SIZE, max_position_embeddings=1024)
+                                        if k25_format else {}))
+  c.model = common.k25_model_section("tiny", **text)
   c.init = common.init_section(k25=True)
   c.init.checkpoint = "runs/sft"       # a K2.5 workdir of the same model: configs/sft.py's
   c.task = ml_collections.ConfigDict(dict(
       train_prompts=512, eval_prompts=64, seed=0, image_size=56,
       kinds=("addition," if preset == "joint" else "") + "count,locate,compare,read",
-      files="", eval_files="", verifier="exact", on_bad_record="error"))
+      files="", eval_files="", verifier="exact", on_bad_record="error",
+      chat_format="k2.5" if k25_format else "legacy"))   # the episodes' (and the init checkpoint's SFT's)
   # task.kinds: a comma-separated subset of k25jax.stages.rl_vision.TASK_KINDS (addition is text only);
   # task.files: prompts (and images) from the user's files instead (k25jax/rl/prompt_files.py)
   c.rl = ml_collections.ConfigDict(dict(
       prompts_per_iteration=8, num_generations=8, minibatches=2,
       temperature=1.0, top_k=0, top_p=1.0,
       tool="no_tool" not in switches,      # the sandboxed Python tool (a call without it: an error observation)
-      max_turns=4, max_context=496, turn_tokens=160, eval_samples=2))
+      max_turns=4, max_context=896 if k25_format else 496, turn_tokens=160, eval_samples=2))
   c.loss = common.policy_loss_section()
   c.toggle = toggle_section("toggle" in switches, budget_samples=4)   # budgets from 4 episodes a task
   c.sandbox = common.sandbox_section(sessions=32)

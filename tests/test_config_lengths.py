@@ -14,6 +14,7 @@ CONFIG_FILES = [
     ("configs/sft.py", "tiny,files"),
     ("configs/rl.py", "tiny"), ("configs/rl.py", "tiny,compact"), ("configs/rl.py", "k25"),
     ("configs/rl.py", "vision"), ("configs/rl.py", "vision,no_tool"), ("configs/rl.py", "joint,toggle"),
+    ("configs/rl.py", "vision,k25_format"), ("configs/sft.py", "tiny,k25_format"),
     ("configs/toggle.py", None), ("configs/parl.py", "tiny"), ("configs/parl.py", "tiny,chat")]
 STEPS = (1, 7, 60)
 # Presets the stage cannot run at any length, and the one line that says why: the pod's RL update

@@ -79,6 +79,27 @@ def test_vision_rl_needs_a_start():
   assert not config.toggle.enabled and load_config("configs/rl.py", "joint,toggle").toggle.enabled
 
 
+def test_the_chat_format_must_be_the_one_the_start_was_trained_in(tmp_path):
+  """configs/rl.py:vision,k25_format plays its episodes in Kimi K2.5's format; an init
+  checkpoint whose workdir records the other format is one line naming both."""
+  from k25jax.data import chat_formats
+  from k25jax.model.config import K25Config
+  from k25jax.train import model_record
+  k25_format = load_config("configs/rl.py", "vision,k25_format")
+  assert (k25_format.task.chat_format, k25_format.model.text.vocab_size) == ("k2.5", 275)
+  legacy_start = tmp_path / "legacy_sft"
+  model_record.write(str(legacy_start), K25Config(), chat_formats.LEGACY_RECORD)
+  k25_format.init.checkpoint = str(legacy_start)
+  with pytest.raises(ValueError, match="task.chat_format='k2.5', but init.checkpoint=.* the 'legacy' chat format"):
+    rl_vision.check(k25_format)
+  plain = load_config("configs/rl.py", "vision")
+  plain.init.checkpoint = str(legacy_start)
+  rl_vision.check(plain)
+  plain.task.chat_format = "kimi"
+  with pytest.raises(ValueError, match="task.chat_format='kimi'"):
+    rl_vision.check(plain)
+
+
 def test_joint_tasks_interleave_kinds_and_keep_text_tasks_imageless():
   config = load_config("configs/rl.py", "joint")
   assert rl_vision.parse_kinds(config.task.kinds)[0] == "addition"

@@ -31,6 +31,7 @@ per episode.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import ml_collections
 import numpy as np
@@ -41,7 +42,7 @@ from k25jax.data import vision as vision_data
 from k25jax.model import k25
 from k25jax.model.config import K25Config
 from k25jax.rl import driver, prompt_files, rollout, sampler, tasks, toggle
-from k25jax.train import config_utils, multimodal, sharding, trainer as trainer_lib
+from k25jax.train import config_utils, model_record, multimodal, sharding, trainer as trainer_lib
 
 ROW_FEATURES = ("inputs", "targets", "positions", "segment_ids", "mask", "old_logp", "advantages", "rewards")
 
@@ -197,18 +198,28 @@ def evaluate(config, model_cfg, params, fmt, pool, split: TaskSplit, per_row: in
 
 # ------------------------------------------------------------------------------------- run
 def check(config) -> None:
+  """The stage's config check: prompt files' fields, the start, the chat format (the one the
+  init checkpoint's SFT trained in, where its workdir records one), the driver's fields."""
   if config.task.files:
     prompt_files.check(config.task)
   if not config.init.checkpoint:
     raise ValueError("the rl_vision stage starts from a K2.5 checkpoint: set init.checkpoint to a workdir of "
                      "configs/sft.py (zero-vision SFT) or of joint pre-training")
+  if config.task.chat_format not in tool_formats.NAMES:
+    raise ValueError(f"config: task.chat_format={config.task.chat_format!r}: must be one of {tool_formats.NAMES}")
+  if os.path.isfile(os.path.join(config.init.checkpoint, model_record.FILE)):
+    trained = (model_record.read(config.init.checkpoint)[1] or {}).get("chat")
+    if trained is not None and trained != config.task.chat_format:
+      raise ValueError(f"config: task.chat_format={config.task.chat_format!r}, but init.checkpoint="
+                       f"{config.init.checkpoint!r} was trained in the {trained!r} chat format"
+                       + (" (configs/rl.py:vision,k25_format)" if trained == "k2.5" else ""))
   driver.check(config)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str):
   """Vision RL from `init.checkpoint`; resumes from workdir/checkpoints. Returns (state, history)."""
   check(config)
-  fmt = tool_formats.get("legacy")   # the stage's episodes are in k25jax's legacy chat format (issue 41)
+  fmt = tool_formats.get(config.task.chat_format)
   tok = fmt.tokenizer
   model = k25.K25(config_utils.k25_config_from(config.model, tok))
   mesh = sharding.make_mesh(config.mesh.to_dict())
