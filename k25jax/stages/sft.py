@@ -14,7 +14,10 @@
              prompt, with and without the tool: tool-call success rate and answer accuracy;
              with arithmetic examples, greedy accuracy on held-out sums (operands no example had)
 
-The model is the K2.5 model; without rows with an image only the language model gets gradients.
+Everything is written in `data.chat_format` (`k25jax.data.tool_formats`: k25jax's legacy chat
+format, or Kimi K2.5's with the Python tool a declared `python(code)` function), the data and
+the rollouts alike. The model is the K2.5 model; without rows with an image only the language
+model gets gradients.
 Trajectories are generated once and kept in the workdir (`sft_data_<fingerprint>.npz`),
 so a resumed run trains on the same data in the same order.
 
