@@ -149,7 +149,8 @@ def vision_config(preset: str, switches: set) -> ml_collections.ConfigDict:
       prompts_per_iteration=8, num_generations=8, minibatches=2,
       temperature=1.0, top_k=0, top_p=1.0,
       tool="no_tool" not in switches,      # the sandboxed Python tool (a call without it: an error observation)
-      max_turns=4, max_context=896 if k25_format else 496, turn_tokens=160, eval_samples=2))
+      max_turns=4, max_context=896 if k25_format else 496, turn_tokens=256 if k25_format else 160,  # K2.5 calls: <= 190
+      eval_samples=2))
   c.loss = common.policy_loss_section()
   c.toggle = toggle_section("toggle" in switches, budget_samples=4)   # budgets from 4 episodes a task
   c.sandbox = common.sandbox_section(sessions=32)

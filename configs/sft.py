@@ -76,7 +76,9 @@ def get_config(arg=None):
   c.sandbox = common.sandbox_section(sessions=16)
 
   c.eval = ml_collections.ConfigDict(dict(
-      tasks=64, seed=12345, max_turns=3, max_context=896 if "k25_format" in switches else 496, turn_tokens=160,
+      # a K2.5 call turn (the code as a JSON argument inside a tool-call section) runs to 190 tokens
+      tasks=64, seed=12345, max_turns=3, max_context=896 if "k25_format" in switches else 496,
+      turn_tokens=256 if "k25_format" in switches else 160,
       settings="text_tool,image_tool,image_no_tool"))
 
   c.mesh = common.mesh_section()
