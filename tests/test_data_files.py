@@ -67,7 +67,7 @@ def test_spec_parses_globs_and_token_shares():
                         ("a.jsonl:0", "a finite number > 0"), ("a.jsonl:nan", "a finite number > 0")]:
     with pytest.raises(files.BadData, match=message):
       files.parse(spec)
-  with pytest.raises(files.BadData, match="held-out files take no weight"):
+  with pytest.raises(files.BadData, match="these files take no weight"):
     files.parse("a.jsonl:2", "data.eval_files", weights=False)
   with pytest.raises(ValueError, match="data.source='books': must be one of"):
     sources.check(ml_collections.ConfigDict(dict(source="books")))

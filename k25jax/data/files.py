@@ -64,7 +64,7 @@ def parse(spec: str, field: str = "data.files", weights: bool = True) -> list[tu
       out.append((entry, 1.0))
       continue
     if not weights:
-      raise BadData(f"{field}: {entry!r}: held-out files take no weight")
+      raise BadData(f"{field}: {entry!r}: these files take no weight (weights are shares of a pre-training mixture)")
     try:
       value = float(weight)
     except ValueError:
