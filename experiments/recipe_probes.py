@@ -30,7 +30,7 @@ import jax
 import ml_collections
 
 from k25jax.agents import tool_rollout
-from k25jax.data import legacy_chat as chat, mixture, sources, tokenizer
+from k25jax.data import mixture, sources, tokenizer, tool_formats
 from k25jax.model import k25
 from k25jax.stages import parl, sft
 from k25jax.train import multimodal, objective
@@ -66,10 +66,10 @@ class Probes:
                                **kw)
       self.host[task] = [next(stream) for _ in range(vision_batches)]
     self.max_patches = max_patches
-    self.chat = chat.ChatTokenizer()
     self.sft_config = sft_config.copy_and_resolve_references()
+    self.format = tool_formats.get(self.sft_config.data.chat_format)
     self.sft_config.eval.update(tasks=tasks, settings="image_tool")
-    sums = sft.arithmetic_examples(self.sft_config, self.chat)
+    sums = sft.arithmetic_examples(self.sft_config, self.format)
     self.arithmetic = sft.held_out_arithmetic(self.sft_config,
                                               set(zip(sums["a"].tolist(), sums["b"].tolist())))[:tasks]
     self.parl_config = parl_config
@@ -95,7 +95,7 @@ class Probes:
         if name in ("caption", "count"):
           out[f"{name}_exact"] = m["answer_exact"]
       with tool_rollout.sandbox_pool(self.sft_config.sandbox) as pool:
-        rollouts = sft.evaluate(self.sft_config, model_cfg, params, self.chat, pool, self.arithmetic)
+        rollouts = sft.evaluate(self.sft_config, model_cfg, params, self.format, pool, self.arithmetic)
       decoder = params[k25.LANGUAGE_MODEL]
       swarm, _, _ = parl.play(self.parl_config, model_cfg.text, decoder, decoder, self.parl_tasks, greedy=True)
     swarm = parl.summarize(swarm, 0.0)
