@@ -5,7 +5,8 @@
     Leaf(shape, read)     a param leaf; `read(index)` the values at `index` (a tuple of
                           slices, as `jax.make_array_from_callback` gives each device)
 
-    single(t, f)          a leaf that is f(one tensor): each read reads that tensor whole
+    single(t, f)          a leaf that is f(one tensor), read once and kept while the leaf's
+                          slices are placed
     experts(ts, f)        a stacked expert leaf [E, ...]: a read of experts a..b reads those
                           tensors only, one at a time
     stacked(leaves)       a scanned leaf [L, ...] of per-layer leaves, read per layer
@@ -15,7 +16,7 @@
 
 So a process holds at most one device's slice of a leaf plus the checkpoint tensor being
 read (the largest tensor bounds it), never a whole stacked leaf, and reads only the experts
-its devices hold.
+its devices hold; a tensor whose leaf several devices slice is read (and dequantized) once.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class Tensor:
 class Leaf:
   shape: tuple[int, ...]
   read: Callable[[Index], np.ndarray]
+  release: Callable[[], None] = lambda: None   # drops what `read` kept for the leaf's other slices
 
 
 def whole(shape: Sequence[int]) -> Index:
@@ -46,8 +48,15 @@ def whole(shape: Sequence[int]) -> Index:
 
 
 def single(shape: tuple[int, ...], tensor: Tensor, transform: Callable[[np.ndarray], np.ndarray]) -> Leaf:
-  """A leaf of `shape` that is transform(tensor)."""
-  return Leaf(tuple(shape), lambda index: transform(tensor.read())[index])
+  """A leaf of `shape` that is transform(tensor): the tensor is read (and dequantized) once
+  and kept until `release`, so the devices' slices of one leaf share the read."""
+  kept: dict[str, np.ndarray] = {}
+
+  def read(index: Index) -> np.ndarray:
+    if "value" not in kept:
+      kept["value"] = transform(tensor.read())
+    return kept["value"][index]
+  return Leaf(tuple(shape), read, kept.clear)
 
 
 def experts(shape: tuple[int, ...], tensors: Sequence[Tensor], transform: Callable[[np.ndarray], np.ndarray]
@@ -90,4 +99,5 @@ def materialize(leaf: Leaf, dtype, sharding: jax.sharding.Sharding | None = None
     key = _key(index)
     shards.append(jax.device_put(placed[key] if key in placed else convert(index), device))
     placed.setdefault(key, shards[-1])
+  leaf.release()
   return jax.make_array_from_single_device_arrays(leaf.shape, sharding, shards)
