@@ -71,7 +71,7 @@ def experts(shape: tuple[int, ...], tensors: Sequence[Tensor], transform: Callab
   return Leaf(tuple(shape), read)
 
 
-def stacked(leaves: Sequence[Leaf]) -> Leaf:
+def stacked(*leaves: Leaf) -> Leaf:
   """The leaves stacked on a new leading axis (the scanned layout's layer axis)."""
   inner = leaves[0].shape
   return Leaf((len(leaves),) + inner, lambda index: np.stack([leaves[i].read(index[1:])

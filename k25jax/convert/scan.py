@@ -16,7 +16,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import traverse_util
 
 from k25jax.model.config import ModelConfig
 from k25jax.model.transformer import SCANNED
@@ -32,7 +31,7 @@ def _stack(*leaves):
 
 def stack_layers(cfg: ModelConfig, params, stack=None) -> dict:
   """Per-layer → scanned: layers_{k} … layers_{L-1} become `moe_layers` with a leading layer axis
-  (`stack(leaves)` of a list, default np.stack / jnp.stack: e.g. `lazy.stacked` for leaves not yet read)."""
+  (`stack(*leaves)`, default np.stack / jnp.stack: e.g. `lazy.stacked` for leaves not yet read)."""
   if is_scanned(params):
     raise ValueError(f"stack_layers: the params are already scanned (they have {SCANNED!r})")
   moe = [f"layers_{i}" for i in range(cfg.first_k_dense_replace, cfg.num_hidden_layers)]
@@ -42,11 +41,7 @@ def stack_layers(cfg: ModelConfig, params, stack=None) -> dict:
                      "layers)")
   out = {k: v for k, v in params.items() if k not in moe}
   if moe:
-    if stack is None:
-      out[SCANNED] = jax.tree.map(_stack, *[params[name] for name in moe])
-    else:
-      layers = [traverse_util.flatten_dict(params[name]) for name in moe]
-      out[SCANNED] = traverse_util.unflatten_dict({key: stack([layer[key] for layer in layers]) for key in layers[0]})
+    out[SCANNED] = jax.tree.map(stack or _stack, *[params[name] for name in moe])
   return out
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Sequence
 
 import numpy as np
 
@@ -230,12 +229,3 @@ def load(data, how: Rendering) -> tuple[list[Chat], list[Chat]]:
                           "must hold out some and leave some to train on (or give data.eval_files)")
   bad.report("data.files")
   return chats, held_out
-
-
-def padded(chats: Sequence[Chat], width: int, pad_id: int) -> dict[str, np.ndarray]:
-  """tokens int32 [n, width], loss_mask float32 [n, width] (right-padded) and length int32 [n]."""
-  tokens = np.full((len(chats), width), pad_id, np.int32)
-  mask = np.zeros((len(chats), width), np.float32)
-  for row, c in enumerate(chats):
-    tokens[row, :len(c.ids)], mask[row, :len(c.ids)] = c.ids, c.loss_mask
-  return {"tokens": tokens, "loss_mask": mask, "length": np.array([len(c.ids) for c in chats], np.int32)}

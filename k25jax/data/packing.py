@@ -11,10 +11,23 @@ a batch depends only on the step and a resumed run sees exactly the same data.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 FEATURES = (("inputs", np.int32), ("targets", np.int32), ("loss_mask", np.float32), ("positions", np.int32),
             ("segment_ids", np.int32))
+
+
+def right_padded(sequences: Sequence[tuple[Sequence[int], Sequence[float]]], width: int, pad_id: int
+                 ) -> dict[str, np.ndarray]:
+  """(ids, loss mask) sequences as `pack` takes them: tokens int32 [n, width] (right-padded with
+  `pad_id`), loss_mask float32 [n, width] (0 on padding) and length int32 [n]."""
+  tokens = np.full((len(sequences), width), pad_id, np.int32)
+  mask = np.zeros((len(sequences), width), np.float32)
+  for row, (ids, weights) in enumerate(sequences):
+    tokens[row, :len(ids)], mask[row, :len(ids)] = ids, weights
+  return {"tokens": tokens, "loss_mask": mask, "length": np.array([len(ids) for ids, _ in sequences], np.int32)}
 
 
 def assign(lengths: np.ndarray, width: int, share_rows: bool = True) -> list[list[int]]:

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from k25jax.data import legacy_chat, image_tasks
+from k25jax.data import image_tasks, legacy_chat, packing
 
 Steps = list[tuple[str, str]]   # a trajectory's (code, tool output) per call
 
@@ -87,16 +87,12 @@ def conversations(tasks: Sequence[image_tasks.ImageTask], pool, *, p_two_calls: 
 
 
 def encode(rendered: Sequence[tuple[list[int], list[float]]], max_length: int, pad_id: int) -> dict[str, np.ndarray]:
-  """Rendered trajectories (ids, loss mask), right-padded: tokens int32 [n, max_length],
-  loss_mask float32 [n, max_length], length int32 [n]."""
+  """Rendered trajectories (ids, loss mask), right-padded (`packing.right_padded`): tokens int32
+  [n, max_length], loss_mask float32 [n, max_length], length int32 [n]."""
   longest = max(len(t) for t, _ in rendered)
   if longest > max_length:
     raise ValueError(f"a conversation has {longest} tokens, more than data.max_length={max_length}")
-  tokens = np.full((len(rendered), max_length), pad_id, np.int32)
-  mask = np.zeros((len(rendered), max_length), np.float32)
-  for i, (t, m) in enumerate(rendered):
-    tokens[i, :len(t)], mask[i, :len(m)] = t, m
-  return {"tokens": tokens, "loss_mask": mask, "length": np.array([len(t) for t, _ in rendered], np.int32)}
+  return packing.right_padded(rendered, max_length, pad_id)
 
 
 def dataset(n: int, seed: int, pool, fmt, *, image_size: int, kinds: Sequence[str], p_two_calls: float,

@@ -85,7 +85,7 @@ def visual_examples(config, fmt) -> tuple[dict[str, np.ndarray], list[vision_dat
   tasks = image_tasks.make_tasks(d.visual_examples, d.seed + 7919, d.image_size, kinds(config))
   items = [vision_data.preprocess_image(t.image) for t in tasks]
   rendered = [fmt.trajectory(t.question, [], t.answer, media=m) for t, m in zip(tasks, items)]
-  return zero_vision.encode(rendered, max(len(ids) for ids, _ in rendered), fmt.pad_id), items
+  return packing.right_padded(rendered, max(len(ids) for ids, _ in rendered), fmt.pad_id), items
 
 
 ARITHMETIC_SEED_OFFSET = 104729   # the addition demonstrations' seed: data.seed + this
@@ -327,8 +327,7 @@ def check(config) -> None:
                        "trains on the files' chats alone")
   if not d.files:
     raise ValueError("config: data.source='files' needs data.files (GLOB,...: .jsonl, .jsonl.gz or .parquet chats)")
-  if d.on_bad_record not in files_lib.ON_BAD_RECORD:
-    raise ValueError(f"config: data.on_bad_record={d.on_bad_record!r}: must be one of {files_lib.ON_BAD_RECORD}")
+  files_lib.BadRecords(d.on_bad_record)   # a policy it does not know is its one-line config error
   if d.tokenizer != "bytes" and not (d.vocab_file or config.init.hf_checkpoint):
     raise ValueError(f"config: data.tokenizer={d.tokenizer!r} needs data.vocab_file or init.hf_checkpoint (a folder "
                      "with the tokenizer)")

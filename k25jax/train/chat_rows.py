@@ -28,7 +28,7 @@ class _Part:
   """The packed rows of one kind of chat and, for image chats, each row's media."""
 
   def __init__(self, chats: Sequence[chat_files.Chat], length: int, pad_id: int):
-    data = chat_files.padded(chats, length, pad_id)
+    data = packing.right_padded([(c.ids, c.loss_mask) for c in chats], length, pad_id)
     members = packing.assign(data["length"], length - 1)
     self.rows = packing.pack(data["tokens"], data["loss_mask"], data["length"], rows=members)
     self.media = [[m for i in row for m in chats[i].images] for row in members]
