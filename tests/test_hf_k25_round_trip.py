@@ -1,18 +1,25 @@
-"""A Kimi K2.5 folder through SFT and back out: a tiny random Kimi_K25ForConditionalGeneration
-saved by transformers with its routed experts pack-quantized to INT4 as released →
-`init.hf_checkpoint` → 20 steps of SFT on chats with images (`configs/sft.py:tiny,files`) →
-`k25jax.export` → `Kimi_K25ForConditionalGeneration.from_pretrained`: the logits with an image
-in the prompt equal k25jax's on the trained params, transformers' greedy generation equals the
+"""A Kimi K2.5 folder through SFT on the user's chats and back out: a tiny random
+Kimi_K25ForConditionalGeneration saved by transformers with its routed experts pack-quantized to
+INT4 as released → `python -m k25jax.main --config=configs/sft.py:tiny,files
+--config.init.hf_checkpoint=FOLDER --config.data.files=CHATS` (40 steps on chats with tool calls,
+with images, and plain ones: the held-out loss on the assistant's tokens falls by more than half)
+→ `k25jax.export` → `Kimi_K25ForConditionalGeneration.from_pretrained`: the logits with an image in
+the prompt equal k25jax's on the trained params, transformers' greedy generation equals the
 k25jax sampler's token for token over 32 new tokens, and the exported chat template renders the
-prompt k25jax trained on."""
+prompt k25jax trained on. (One run shows both the stage on chat files end to end and the round
+trip; tests/test_sft_chat_files.py checks the records, the rows and a bad file's exit.)"""
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 import torch
 from config_files import load_config
+from configs import common
+from cpu_env import subprocess_env
 from PIL import Image
 from safetensors import safe_open
 from transformers import AutoTokenizer, Kimi_K25ForConditionalGeneration
@@ -21,11 +28,14 @@ from k25jax.convert import hf, int4, safetensors_io
 from k25jax.data import chat, tokenizer as tokenizer_lib, vision as vision_data
 from k25jax.model import k25
 from k25jax.rl import decode, sampler
-from k25jax.train import config_utils, hf_export
-from test_vision_parity import random_k25_model, tiny_k25_hf_config
+from k25jax.train import config_utils, hf_export, sharding, trainer as trainer_lib
+from test_sft_chat_files import CHECKOUT, _image, _image_chat, _tool_chat, _write_jsonl
+from test_vision_parity import tiny_k25_hf_config
 
 TOK = tokenizer_lib.ByteTokenizer(media=True, chat=True)
-INT4_GROUP = 16        # the tiny experts' 32 input columns (hidden) hold 2 groups, moe_intermediate's 16 one
+INT4_GROUP = 16        # the experts' 128 input columns (hidden, moe_intermediate) hold 8 groups each
+# The decoder of configs/sft.py:tiny,files (common.TINY_CHAT_TEXT), so that the folder learns as that preset does.
+CHAT_TEXT = {k: v for k, v in common.TINY_CHAT_TEXT.items() if k != "vocab_size"}
 
 
 def _int4_experts(model, text_cfg) -> dict:
@@ -57,10 +67,14 @@ def int4_folder(tmp_path_factory):
   media ids, experts in INT4 (`quantization_config` as released); in memory, transformers' model
   on the dequantized weights."""
   media = TOK.media
-  config = tiny_k25_hf_config(text={"vocab_size": 288, "max_position_embeddings": 256}, image_token_id=media.pad,
+  config = tiny_k25_hf_config(text={**CHAT_TEXT, "vocab_size": 288}, image_token_id=media.pad,
                               video_token_id=TOK.vocab_size, vision_start_token_id=media.begin,
                               vision_end_token_id=media.end)
-  model = random_k25_model(seed=5, config=config)
+  torch.manual_seed(5)
+  model = Kimi_K25ForConditionalGeneration(config).eval()     # transformers' own initialisation: a model SFT can train
+  with torch.no_grad():                                     # ... and a router bias for the correction to carry
+    for layer in model.model.language_model.layers[config.text_config.first_k_dense_replace:]:
+      layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)
   saved = str(tmp_path_factory.mktemp("k25_saved"))
   model.save_pretrained(saved)
   tensors = _int4_experts(model, config.text_config)
@@ -80,41 +94,47 @@ def int4_folder(tmp_path_factory):
 
 
 def _chats(folder: str) -> str:
-  """64 chats asking an image's colour (a red or blue PNG) and 64 sums, as JSONL."""
-  for name, colour in (("red", (255, 0, 0)), ("blue", (0, 0, 255))):
-    pixels = np.zeros((28, 28, 3), np.uint8)
-    pixels[:] = colour
-    Image.fromarray(pixels).save(os.path.join(folder, f"{name}.png"))
+  """240 chats as JSONL: a quarter call the declared python tool twice and answer, a quarter ask a
+  red or blue PNG's colour, the rest are sums."""
+  red, blue = _image(os.path.join(folder, "red.png"), (255, 0, 0)), _image(os.path.join(folder, "blue.png"), (0, 0, 255))
   rng = np.random.default_rng(0)
-  path = os.path.join(folder, "chats.jsonl")
-  with open(path, "w") as f:
-    for i in range(128):
-      a, b = (int(x) for x in rng.integers(10, 99, 2))
-      colour = ("red", "blue")[i % 4 // 2]
-      messages = ([{"role": "user", "content": [{"type": "image", "image": f"{colour}.png"},
-                                                {"type": "text", "text": "Which colour?"}]},
-                   {"role": "assistant", "content": colour}] if i % 2 else
-                  [{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(a + b)}])
-      f.write(json.dumps({"messages": messages}) + "\n")
-  return path
+  records = []
+  for i in range(240):
+    a, b = (int(x) for x in rng.integers(10, 99, 2))
+    if i % 4 == 0:
+      records.append(_tool_chat(a, b))
+    elif i % 4 == 1:
+      records.append(_image_chat(red, "red") if i % 8 == 1 else _image_chat(blue, "blue"))
+    else:
+      records.append({"messages": [{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(a + b)}]})
+  return _write_jsonl(os.path.join(folder, "chats.jsonl"), records)
 
 
 @pytest.mark.slow
 def test_an_int4_k25_folder_fine_tuned_on_chats_with_images_exports_back_to_transformers(int4_folder, tmp_path):
   from k25jax.agents import tool_rollout
-  from k25jax.stages import sft
+  from k25jax.data import chat_formats
+  from k25jax.train import model_record
   folder, original = int4_folder
+  run = tmp_path / "run"
+  out = subprocess.run([sys.executable, "-m", "k25jax.main", "--config=configs/sft.py:tiny,files",
+                        f"--config.init.hf_checkpoint={folder}", f"--config.data.files={_chats(str(tmp_path))}",
+                        "--config.data.eval_every=8", "--config.train.steps=40", "--config.train.batch=8",
+                        "--config.train.visual_batch=8", "--config.train.log_every=10", f"--workdir={run}"],
+                       cwd=CHECKOUT, env=subprocess_env(compile_bound=True), capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, out.stderr[-3000:]
+  with open(run / "sft_eval.json") as f:
+    result = json.load(f)
+  assert result["chats"] == 210 and result["held_out_chats"] == 30
+  assert result["end"]["loss"] < 0.5 * result["start"]["loss"], result
+  assert result["end"]["accuracy"] > result["start"]["accuracy"] + 0.3, result
+  assert model_record.read(str(run))[1] == chat_formats.K25_RECORD
   config = load_config("configs/sft.py", "tiny,files")
   config.init.hf_checkpoint = folder
   config_utils.model_section_from_hf(config)
-  config.data.update(files=_chats(str(tmp_path)), eval_every=8, max_length=256)
-  config.train.update(steps=20, batch=8, visual_batch=8, log_every=10, eval_every=20, checkpoint_every=20)
-  config.optimizer.update(warmup_steps=2, decay_steps=5)
-  state, history = sft.run(config, str(tmp_path / "run"))
-  with open(tmp_path / "run" / "sft_eval.json") as f:
-    result = json.load(f)
-  assert result["end"]["loss"] < result["start"]["loss"], result
-  out = hf_export.export(str(tmp_path / "run"), str(tmp_path / "hf"))
+  cfg = k25.K25(config_utils.k25_config_from(config.model, TOK)).cfg
+  params = jax.device_get(trainer_lib.restore_params(k25.K25(cfg), str(run), sharding.make_mesh(config.mesh.to_dict())))
+  out = hf_export.export(str(run), str(tmp_path / "hf"))
   reloaded = Kimi_K25ForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
 
   # a prompt in the format SFT trained on, with an image: the exported template renders it too
@@ -127,8 +147,6 @@ def test_an_int4_k25_folder_fine_tuned_on_chats_with_images_exports_back_to_tran
                                                                    add_generation_prompt=True, tokenize=True)
   assert list(template if isinstance(template, list) else template["input_ids"]) == text_prompt
 
-  cfg = k25.K25(config_utils.k25_config_from(config.model, TOK)).cfg
-  params = jax.device_get(state.params)
   tokens = np.array([prompt], np.int32)
   ours, aux = k25.K25(cfg).apply({"params": params}, tokens, image.pixel_values, (image.grid_thw,))
   assert not bool(aux["media_mismatch"])

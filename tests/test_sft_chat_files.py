@@ -251,40 +251,17 @@ def test_too_few_rows_for_the_batch_is_one_line(tmp_path):
 
 
 # ------------------------------------------------------------------------------- the stage
-@pytest.mark.slow
-def test_main_fine_tunes_on_chat_files_and_a_bad_record_exits_2_in_one_line(tmp_path):
-  """`python -m k25jax.main --config=configs/sft.py:tiny,files --config.data.files=...`: chats
-  with tool calls, with images and plain ones; the held-out loss on the assistant's tokens
-  falls by more than half in 40 steps and the workdir's model speaks the K2.5 format. Then a
-  file with a bad record: exit 2, one line naming it."""
-  rng = np.random.default_rng(0)
-  red, blue = _image(tmp_path / "red.png", (255, 0, 0)), _image(tmp_path / "blue.png", (0, 0, 255))
-  records = []
-  for i in range(240):
-    a, b = (int(x) for x in rng.integers(10, 99, 2))
-    records.append(_tool_chat(a, b) if i % 4 == 0 else _image_chat(red if i % 8 == 1 else blue, "red" if i % 8 == 1
-                                                                   else "blue") if i % 4 == 1 else
-                   {"messages": [{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(a + b)}]})
-  train = _write_jsonl(tmp_path / "train.jsonl", records)
-  common = [sys.executable, "-m", "k25jax.main", "--config=configs/sft.py:tiny,files", "--config.train.steps=40",
-            "--config.train.batch=8", "--config.train.visual_batch=8", "--config.train.log_every=10",
-            "--config.data.eval_every=8"]
-  out = subprocess.run(common + [f"--config.data.files={train}", f"--workdir={tmp_path / 'run'}"], cwd=CHECKOUT,
-                       env=subprocess_env(compile_bound=True), capture_output=True, text=True, timeout=900)
-  assert out.returncode == 0, out.stderr[-3000:]
-  with open(tmp_path / "run" / "sft_eval.json") as f:
-    result = json.load(f)
-  assert result["chats"] == 210 and result["held_out_chats"] == 30
-  assert result["end"]["loss"] < 0.5 * result["start"]["loss"], result
-  assert result["end"]["accuracy"] > result["start"]["accuracy"] + 0.3, result
-  from k25jax.data import chat_formats
-  from k25jax.train import model_record
-  assert model_record.read(str(tmp_path / "run"))[1] == chat_formats.K25_RECORD
+def test_main_exits_2_in_one_line_naming_a_bad_record(tmp_path):
+  """`python -m k25jax.main --config=configs/sft.py:tiny,files` on a file with a bad record: exit
+  2, one line naming the file and line. (The stage end to end on good files, the held-out loss
+  falling by half, runs in tests/test_hf_k25_round_trip.py, from a Kimi K2.5 folder.)"""
   bad = _write_jsonl(tmp_path / "bad.jsonl", [GOOD, {"messages": [{"role": "bot", "content": "x"}]}])
-  out = subprocess.run(common + [f"--config.data.files={bad}", f"--workdir={tmp_path / 'bad_run'}"], cwd=CHECKOUT,
-                       env=subprocess_env(compile_bound=True), capture_output=True, text=True, timeout=300)
+  out = subprocess.run([sys.executable, "-m", "k25jax.main", "--config=configs/sft.py:tiny,files",
+                        f"--config.data.files={bad}", f"--workdir={tmp_path / 'bad_run'}"], cwd=CHECKOUT,
+                       env=subprocess_env(), capture_output=True, text=True, timeout=300)
   assert out.returncode == 2, out.stderr[-3000:]
-  assert f"{bad}:2: messages[0] has role 'bot'" in out.stderr
+  assert out.stderr.strip().splitlines()[-1].startswith(f"error: {bad}:2: messages[0] has role 'bot'")
+  assert "Traceback" not in out.stderr
 
 
 def test_the_config_check_names_what_does_not_go_with_the_source():
