@@ -20,7 +20,6 @@ import torch
 from config_files import load_config
 from configs import common
 from cpu_env import subprocess_env
-from PIL import Image
 from safetensors import safe_open
 from transformers import AutoTokenizer, Kimi_K25ForConditionalGeneration
 
