@@ -20,6 +20,12 @@ about 3.7x longer in ids. `warm_start.after_init=True` fine-tunes `init.checkpoi
 demonstrations before RL (the recipe's PARL stage: a model that has never seen the
 protocol); it is then both the orchestrator's start and the sub-agents. The chat
 rendering has no single-agent baseline row (its `create` is bytes, not one id to ban).
+With `k25_format` (`configs/parl.py:tiny,k25_format`, `widesearch/k25_rendering.py`) the
+same model reads and writes Kimi K2.5's chat format (the tools declared in a
+`tool_declare` turn, each call group a tool call with JSON arguments, results as tool
+turns; the K2.5 byte vocabulary, 275 ids): over bytes its contexts are ~5x the legacy
+chat's (mean 891 ids against 178 over the demonstrations, at most ~2,440; turns of up to
+223 ids), so 2,560 positions.
 
 Run length: `train.steps` RL iterations (`rl.prompts_per_iteration` tasks ×
 `rl.num_generations` episodes, then `rl.minibatches` updates). The orchestrator's RL
@@ -38,14 +44,17 @@ TINY_MODEL = dict(vocab_size=DSL_VOCAB_SIZE, hidden_size=96, intermediate_size=2
 # The chat rendering's contexts (`ChatRendering.max_context`): a budget-16 demonstration is
 # at most ~520 ids, a turn 88.
 CHAT_MODEL = dict(common.TINY_CHAT_TEXT, max_position_embeddings=640)
+# Kimi K2.5's format (`K25Rendering.max_context`): a budget-16 demonstration is at most ~2,440 ids.
+K25_FORMAT_MODEL = dict(common.TINY_CHAT_TEXT, vocab_size=common.K25_FORMAT_VOCAB_SIZE, max_position_embeddings=2560)
 
 
 def get_config(arg=None):
-  _, switches = common.preset_and_switches(arg, "configs/parl.py", ("tiny",), ("chat",))
-  chat = "chat" in switches
+  _, switches = common.preset_and_switches(arg, "configs/parl.py", ("tiny",), ("chat", "k25_format"))
+  k25_format = "k25_format" in switches
+  chat = "chat" in switches and not k25_format
   c = ml_collections.ConfigDict()
   c.stage = "parl"
-  c.model = common.model_section("tiny", **(CHAT_MODEL if chat else TINY_MODEL))
+  c.model = common.model_section("tiny", **(K25_FORMAT_MODEL if k25_format else CHAT_MODEL if chat else TINY_MODEL))
   c.init = common.init_section()       # init.checkpoint: the orchestrator's start; '' = the warm start below
 
   # One SFT model on demonstrations of both roles when init.checkpoint is empty; it is both
@@ -71,8 +80,10 @@ def get_config(arg=None):
       anneal_steps=40, anneal_kind="linear",
       parallel_cap=2,              # r_parallel = min(#sub-agents, cap) / cap: near-binary
       subagent_checkpoint="",      # frozen sub-agents' checkpoint ('' = the orchestrator's start)
-      rendering="chat" if chat else "dsl",   # what the model reads and writes: the DSL's ids or the chat format
-      orchestrator_turn_tokens=88 if chat else 24, subagent_turn_tokens=20 if chat else 8,
+      # what the model reads and writes: the DSL's ids, k25jax's own chat format or Kimi K2.5's
+      rendering="k2.5" if k25_format else "chat" if chat else "dsl",
+      orchestrator_turn_tokens=224 if k25_format else 88 if chat else 24,
+      subagent_turn_tokens=64 if k25_format else 20 if chat else 8,
       eval_tasks=128, eval_seed=12345))
 
   c.rl = ml_collections.ConfigDict(dict(prompts_per_iteration=16, num_generations=8, minibatches=2, temperature=1.0))

@@ -1,4 +1,5 @@
-"""The wide-search renderings: one episode, the DSL's ids or the K2.5 chat format, the same result."""
+"""The wide-search renderings: one episode, the DSL's ids or k25jax's own chat format, the same result
+(Kimi K2.5's format: tests/test_agents_k25_rendering.py)."""
 import numpy as np
 import pytest
 
@@ -132,11 +133,12 @@ def test_the_swarm_plays_chat_episodes_with_scripted_policies_as_run_episode_doe
 def test_make_names_the_renderings():
   assert ws.rendering.make("dsl").vocab_size == dsl.VOCAB_SIZE
   assert ws.rendering.make("chat").vocab_size == chat.ChatTokenizer().vocab_size == 268
+  assert ws.rendering.make("k2.5").vocab_size == 275
   with pytest.raises(ValueError, match="choose one of"):
     ws.rendering.make("bpe")
 
 
-@pytest.mark.parametrize("rendering", [ws.DSLRendering(), CHAT], ids=["dsl", "chat"])
+@pytest.mark.parametrize("rendering", [ws.DSLRendering(), CHAT, ws.K25Rendering()], ids=["dsl", "chat", "k2.5"])
 def test_the_longest_demonstrations_fit_the_renderings_max_context(rendering):
   demos = ws.demonstrations(60, 2, rendering=rendering, max_length=rendering.max_context, budget_range=(16, 16),
                             n_range=(20, 24), deep_fraction=0.25, delegation_share=0.5)

@@ -14,8 +14,9 @@ Per iteration t, for P tasks x (wide tasks of 2..24 entities and deep chains) an
                tokens are observations to it and never enter the loss.
 
 The iterations, advantages and updates are `k25jax.rl.driver`'s. Every agent reads and
-writes the episode in `parl.rendering` (`widesearch.rendering`: the DSL's 91 ids, or
-k25jax's own chat format, data/legacy_chat.py, over the chat tokenizer). Sub-agents are frozen copies of a fixed
+writes the episode in `parl.rendering` (`widesearch.rendering`: the DSL's 91 ids,
+k25jax's own chat format, data/legacy_chat.py, over the chat tokenizer, or Kimi K2.5's,
+widesearch/k25_rendering.py, over the byte tokenizer with the K2.5 chat tokens). Sub-agents are frozen copies of a fixed
 checkpoint (`parl.subagent_checkpoint`); the orchestrator starts from `init.checkpoint`.
 Without them (the tiny default) the stage first trains one model by SFT on scripted
 demonstrations of both roles run through the real budgeted environment (the built-in
@@ -51,7 +52,7 @@ ROW_MULTIPLE = 64   # the update's rows are as wide as the longest orchestrator 
 
 
 def rendering(config) -> widesearch.Rendering:
-  """The rendering the model reads and writes (`parl.rendering`: dsl | chat)."""
+  """The rendering the model reads and writes (`parl.rendering`: dsl | chat | k2.5)."""
   return widesearch.rendering.make(config.parl.rendering)
 
 
@@ -228,7 +229,7 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   model = transformer.Transformer(config_utils.model_config_from(config.model))
   mesh = sharding.make_mesh(config.mesh.to_dict())
   eval_tasks = sample_tasks(config, p.eval_tasks, p.eval_seed)
-  tokenizer = chat_formats.record_of(rendering(config).tok) if p.rendering == "chat" else None
+  tokenizer = None if p.rendering == "dsl" else chat_formats.record_of(rendering(config).tok)
   with trainer_lib.Trainer.for_config(config, workdir, model, driver.make_optimizer(config), mesh,
                                      tokenizer=tokenizer) as trainer:
     warm = trainer.params_from(config.init)

@@ -81,7 +81,7 @@ RULES = {
     "data.tokenizer": choice("bytes", "tiktoken", "tokenizers", "auto"),
     "vision_schedule": choice("constant", "ramp"),
     "anneal_kind": choice("linear", "cosine"),
-    "parl.rendering": choice("dsl", "chat"),     # k25jax.agents.widesearch.rendering.NAMES
+    "parl.rendering": choice("dsl", "chat", "k2.5"),     # k25jax.agents.widesearch.rendering.NAMES
     "after_init": _rule(lambda v: isinstance(v, bool), "True or False"),
 }
 

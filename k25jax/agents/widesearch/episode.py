@@ -56,6 +56,7 @@ class AgentTranscript:
   loss_mask: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
   protocol: list[int] = dataclasses.field(default_factory=list)
+  last_turn: list[int] = dataclasses.field(default_factory=list)   # the generated ids of its latest turn
 
   def add(self, tokens: Sequence[int], *, generated: bool, logprobs: Sequence[float] | None = None,
           protocol: Sequence[int] | None = None) -> None:
@@ -238,13 +239,14 @@ class Episode:
     parsed = tools.parse_turn(words, role=role, **known)
     turn_logprobs = None if logprobs is None else list(logprobs)[:len(tokens)]
     transcript.add(tokens, generated=True, logprobs=turn_logprobs, protocol=parsed.tokens)
+    transcript.last_turn = list(tokens)
     if not parsed.complete:
       transcript.add(self.rendering.close(), generated=False, protocol=[dsl.EOT_ID])
     self.errors[role].update(e.code for e in parsed.errors)
     return parsed
 
   def _observe(self, transcript: AgentTranscript, block: list[int]) -> None:
-    transcript.add(self.rendering.observation(block), generated=False, protocol=block)
+    transcript.add(self.rendering.observation(block, transcript.last_turn), generated=False, protocol=block)
 
   def _error(self, role: str, code: str, tool: str | None, detail: str) -> tools.ToolError:
     self.errors[role][code] += 1

@@ -32,29 +32,29 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 from k25jax.agents import dsl
+from k25jax.agents.widesearch.k25_rendering import K25Rendering
 from k25jax.agents.widesearch.tasks import MAX_CONTEXT
 from k25jax.data import legacy_chat as chat
 
-NAMES = ("dsl", "chat")
+NAMES = ("dsl", "chat", "k2.5")
 
 
 class Rendering(Protocol):
-  """name, vocab_size, pad_id, stop_id (the id that ends a generated turn), markers (ids a
-  turn carries that are no word of its text), max_context (ids an agent context can reach:
-  a wide task of 24 entities or a budget of 16), and:"""
+  """name, vocab_size, pad_id, stop_id (the id that ends a generated turn), max_context (ids
+  an agent context can reach: a wide task of 24 entities or a budget of 16), and:"""
 
   name: str
   vocab_size: int
   pad_id: int
   stop_id: int
-  markers: frozenset[int]
   max_context: int
 
   def prompt(self, block: Sequence[int]) -> list[int]:
     """A context's first block (DSL ids ending with `|`) as the model reads it, up to its first turn."""
 
-  def observation(self, block: Sequence[int]) -> list[int]:
-    """An observation block as the model reads it, up to the next turn."""
+  def observation(self, block: Sequence[int], turn: Sequence[int] = ()) -> list[int]:
+    """An observation block as the model reads it, up to the next turn; `turn`: the
+    generated ids of the turn it answers."""
 
   def turn(self, block: Sequence[int]) -> list[int]:
     """A DSL turn (ending with `|`) as the model would write it (scripted policies' turns)."""
@@ -64,6 +64,9 @@ class Rendering(Protocol):
 
   def close(self) -> list[int]:
     """What the environment writes after a truncated turn, to close it."""
+
+  def choice_offset(self, turn: Sequence[int]) -> int:
+    """The position in a generated turn of its first decision (e.g. `create` or `search`)."""
 
 
 def _text(block: Sequence[int]) -> str:
@@ -80,13 +83,15 @@ class DSLRendering:
   vocab_size = dsl.VOCAB_SIZE
   pad_id = dsl.PAD_ID
   stop_id = dsl.EOT_ID
-  markers = frozenset()
   max_context = MAX_CONTEXT
 
   def prompt(self, block):
     return [int(t) for t in block]
 
-  observation = turn = prompt
+  turn = prompt
+
+  def observation(self, block, turn=()):
+    return self.prompt(block)
 
   def read_turn(self, generated):
     generated = [int(t) for t in generated]
@@ -96,6 +101,9 @@ class DSLRendering:
 
   def close(self):
     return [dsl.EOT_ID]
+
+  def choice_offset(self, turn):
+    return 0
 
 
 class ChatRendering:
@@ -109,12 +117,11 @@ class ChatRendering:
     self.vocab_size = self.tok.vocab_size
     self.pad_id = self.tok.pad_id
     self.stop_id = self.tok.end_id
-    self.markers = frozenset({self.tok.call_id})
 
   def prompt(self, block):
     return [self.tok.bos_id, self.tok.user_id, *self.tok.encode(_text(block)), self.tok.end_id, self.tok.assistant_id]
 
-  def observation(self, block):
+  def observation(self, block, turn=()):
     return [self.tok.tool_id, *self.tok.encode(_text(block)), self.tok.end_id, self.tok.assistant_id]
 
   def turn(self, block):
@@ -132,6 +139,10 @@ class ChatRendering:
   def close(self):
     return [self.tok.end_id]
 
+  def choice_offset(self, turn):
+    """After the `<|call|>` marker, the first byte of the call (`c` of `create`)."""
+    return int(list(turn[:1]) == [self.tok.call_id])
+
 
 def make(name: str) -> Rendering:
   """The rendering called `name` (one of NAMES)."""
@@ -139,4 +150,6 @@ def make(name: str) -> Rendering:
     return DSLRendering()
   if name == "chat":
     return ChatRendering()
+  if name == "k2.5":
+    return K25Rendering()
   raise ValueError(f"rendering {name!r}; choose one of {NAMES}")

@@ -92,12 +92,12 @@ def run_episode(task: Task, orchestrator: Policy, subagent: Policy = solo_policy
 DEMO_BUDGETS = (dsl.MIN_BUDGET + 1, dsl.MAX_BUDGET)   # demonstrations span every budget a prompt shows but 2
 
 
-def _without_first_choice(transcript: AgentTranscript, markers: frozenset[int]) -> AgentTranscript:
-  """A copy with the loss off the first generated token that is not a rendering marker
-  (the agent's first decision: `create` in the DSL, its `c` after `<|call|>` in chat)."""
+def _without_first_choice(transcript: AgentTranscript, rendering: Rendering) -> AgentTranscript:
+  """A copy with the loss off the agent's first decision (`create` in the DSL, its `c` after
+  `<|call|>` in k25jax's chat, `create_subagent`'s `c` in K2.5's: `Rendering.choice_offset`)."""
   mask = list(transcript.loss_mask)
-  first = next(i for i, (m, t) in enumerate(zip(mask, transcript.tokens)) if m and t not in markers)
-  mask[first] = 0
+  first = mask.index(1)
+  mask[first + rendering.choice_offset(transcript.tokens[first:])] = 0
   return dataclasses.replace(transcript, loss_mask=mask)
 
 
@@ -141,7 +141,7 @@ def demonstrations(num_episodes: int, seed: int, *, deep_fraction: float = 0.25,
     split = run_episode(task, ScriptedOrchestrator(k), rendering=rendering)
     helpers = [split.subagents[i] for i in sorted(rng.permutation(len(split.subagents))[:subagent_rows])]
     if rng.random() < capability_share:
-      helpers.append(_without_first_choice(split.orchestrator, rendering.markers))
+      helpers.append(_without_first_choice(split.orchestrator, rendering))
     rows += [(t, index) for t in [result.orchestrator, *result.subagents, *helpers]]
     per_episode["num_subagents"].append(result.num_created)
     per_episode["item_f1"].append(result.score.item_f1)
