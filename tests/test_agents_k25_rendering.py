@@ -1,33 +1,19 @@
-"""The wide-search protocol in Kimi K2.5's chat format (widesearch/k25_rendering.py): the same
-episodes as the DSL's, each context exactly what the K2.5 renderer writes for its messages,
-and every malformed turn read back as an error, never an exception."""
+"""The wide-search protocol in Kimi K2.5's chat format (widesearch/k25_rendering.py): each
+context exactly what the K2.5 renderer writes for its messages, and every malformed turn read
+back as an error, never an exception. (Scripted episodes end as in the DSL, and the swarm plays
+them as run_episode does: tests/test_agents_rendering.py, for both chat renderings.)"""
 import json
 
 import numpy as np
 import pytest
 
-from k25jax.agents import dsl, swarm
+from k25jax.agents import dsl
 from k25jax.agents import widesearch as ws
 from k25jax.agents.widesearch import k25_rendering
 from k25jax.data import chat
 
 K25 = ws.K25Rendering()
 TOK = K25.tok
-
-
-def _tasks():
-  return ws.sample_tasks(24, 7, deep_fraction=0.25, budget_range=(3, 12))
-
-
-@pytest.mark.parametrize("split", [0, 1, 3, 8])
-def test_scripted_episodes_end_as_in_the_dsl(split):
-  for task in _tasks():
-    dsl_run = ws.run_episode(task, ws.ScriptedOrchestrator(split))
-    k25_run = ws.run_episode(task, ws.ScriptedOrchestrator(split), rendering=K25)
-    assert k25_run.metrics() == dsl_run.metrics()
-    assert k25_run.prediction == dsl_run.prediction and k25_run.trace == dsl_run.trace
-    for a, b in zip([dsl_run.orchestrator, *dsl_run.subagents], [k25_run.orchestrator, *k25_run.subagents]):
-      assert b.protocol == a.tokens == a.protocol
 
 
 def _call(name, k, arguments):
@@ -173,15 +159,6 @@ def test_k25_demonstrations_are_the_dsl_demonstrations_rendered_with_the_choice_
     choice = section + 2 + len("functions.")
     assert TOK.decode([row[choice]]) == "c" and rendered["loss_mask"][r, choice] == 0
     assert rendered["loss_mask"][r, section:choice].all()      # the section and call openers are taught
-
-
-def test_the_swarm_plays_k25_episodes_with_scripted_policies_as_run_episode_does():
-  tasks = _tasks()[:6]
-  runtime = swarm.Swarm({"orch": ws.ScriptedOrchestrator(3), "sub": ws.solo_policy})
-  results = runtime.run([ws.Episode(t, rendering=K25) for t in tasks])
-  for task, result in zip(tasks, results):
-    alone = ws.run_episode(task, ws.ScriptedOrchestrator(3), rendering=K25)
-    assert result.metrics() == alone.metrics() and result.orchestrator.tokens == alone.orchestrator.tokens
 
 
 def test_the_k25_format_switch_and_its_checks():

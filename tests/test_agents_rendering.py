@@ -15,11 +15,15 @@ def _tasks():
   return ws.sample_tasks(24, 7, deep_fraction=0.25, budget_range=(3, 12))
 
 
+RENDERED = [CHAT, ws.K25Rendering()]
+
+
+@pytest.mark.parametrize("rendering", RENDERED, ids=["chat", "k2.5"])
 @pytest.mark.parametrize("split", [0, 1, 3, 8])
-def test_scripted_episodes_end_alike_in_both_renderings(split):
+def test_scripted_episodes_end_alike_in_the_dsl_and_a_chat_rendering(split, rendering):
   for task in _tasks():
     dsl_run = ws.run_episode(task, ws.ScriptedOrchestrator(split))
-    chat_run = ws.run_episode(task, ws.ScriptedOrchestrator(split), rendering=CHAT)
+    chat_run = ws.run_episode(task, ws.ScriptedOrchestrator(split), rendering=rendering)
     assert chat_run.metrics() == dsl_run.metrics()
     assert chat_run.prediction == dsl_run.prediction and chat_run.trace == dsl_run.trace
     for a, b in zip([dsl_run.orchestrator, *dsl_run.subagents], [chat_run.orchestrator, *chat_run.subagents]):
@@ -121,12 +125,13 @@ def test_chat_demonstrations_are_the_dsl_demonstrations_rendered():
     assert rendered["loss_mask"][r, first_c - 1] == 1    # <|call|> is taught
 
 
-def test_the_swarm_plays_chat_episodes_with_scripted_policies_as_run_episode_does():
+@pytest.mark.parametrize("rendering", RENDERED, ids=["chat", "k2.5"])
+def test_the_swarm_plays_chat_episodes_with_scripted_policies_as_run_episode_does(rendering):
   tasks = _tasks()[:8]
   runtime = swarm.Swarm({"orch": ws.ScriptedOrchestrator(3), "sub": ws.solo_policy})
-  results = runtime.run([ws.Episode(t, rendering=CHAT) for t in tasks])
+  results = runtime.run([ws.Episode(t, rendering=rendering) for t in tasks])
   for task, result in zip(tasks, results):
-    alone = ws.run_episode(task, ws.ScriptedOrchestrator(3), rendering=CHAT)
+    alone = ws.run_episode(task, ws.ScriptedOrchestrator(3), rendering=rendering)
     assert result.metrics() == alone.metrics() and result.orchestrator.tokens == alone.orchestrator.tokens
 
 

@@ -284,7 +284,7 @@ _PARSERS = {"create": _parse_create, "assign": _parse_assign, "search": _parse_s
             "answer": _parse_answer}
 
 
-def _segments(body: list[int]) -> list[list[int]]:
+def call_groups(body: list[int]) -> list[list[int]]:
   """Splits a turn body at each tool token; a leading run of non-tool tokens is its own segment."""
   segments: list[list[int]] = []
   for token in body:
@@ -354,7 +354,7 @@ def parse_turn(tokens, *, role: str, known_agents: Iterable[int] = ()) -> Parsed
     error = ToolError("truncated", None, "the turn has no end-of-turn token", tuple(tokens))
     return ParsedTurn((error,), tuple(tokens), complete=False)
   end = tokens.index(dsl.EOT_ID)
-  calls = [c for segment in _segments(tokens[:end]) for c in _parse_segment(segment, role)]
+  calls = [c for segment in call_groups(tokens[:end]) for c in _parse_segment(segment, role)]
   return ParsedTurn(tuple(_apply_turn_rules(calls, known_agents)), tuple(tokens[:end + 1]), complete=True)
 
 

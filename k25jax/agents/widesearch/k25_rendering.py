@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 from typing import Sequence
 
-from k25jax.agents import dsl
+from k25jax.agents import dsl, tools
 from k25jax.data import chat, tokenizer as tokenizer_lib
 
 EMPTY_SYSTEM = {"role": "system", "content": ""}
@@ -66,23 +66,17 @@ TOOL_WORDS = {"create_subagent": "create", "assign_task": "assign", "search": "s
 _TOOL_NAMES = {word: name for name, word in TOOL_WORDS.items()}
 
 
-def _words(block: Sequence[int]) -> list[str]:
-  """A DSL block's words, without its `|`."""
+def _ids_of(block: Sequence[int]) -> list[int]:
+  """A DSL block's ids, without its `|`."""
   block = [int(t) for t in block]
   if not block or block[-1] != dsl.EOT_ID:
     raise ValueError(f"a block ends with `|`: {dsl.decode(block)!r}")
-  return dsl.decode(block[:-1]).split()
+  return block[:-1]
 
 
-def _groups(words: list[str]) -> list[list[str]]:
-  """The call groups of a turn's words: each opens with a tool word."""
-  groups = []
-  for word in words:
-    if word in dsl.TOOLS or not groups:
-      groups.append([word])
-    else:
-      groups[-1].append(word)
-  return groups
+def _words(block: Sequence[int]) -> list[str]:
+  """A DSL block's words, without its `|`."""
+  return dsl.decode(_ids_of(block)).split()
 
 
 def _arguments(group: list[str]) -> dict:
@@ -163,7 +157,7 @@ class K25Rendering:
     return chat.continuation_ids(self.tok, [result])
 
   def turn(self, block):
-    groups = _groups(_words(block))
+    groups = [dsl.decode(g).split() for g in tools.call_groups(_ids_of(block))]
     answer = next((g for g in groups if g[0] == "answer"), None)
     if answer is not None:
       message = {"role": "assistant", "content": " ".join(answer[1:])}
