@@ -13,9 +13,9 @@ small orchestrates without copying entity lists. About 15 minutes on 2 cores.
 
 Renderings (`parl.rendering`, `k25jax/agents/widesearch/rendering.py`): the same tasks,
 tools and scores, read and written either in the 91-id DSL (the default: one id a word,
-the fast CPU preset) or, with the `chat` switch (`configs/parl.py:tiny,chat`), in the K2.5
-chat format through the chat tokenizer (bytes + media + role tokens, 268 ids) on the tiny
-tiny chat model's decoder (`common.TINY_CHAT_TEXT`, the recipe's model): contexts are
+the fast CPU preset) or, with the `chat` switch (`configs/parl.py:tiny,chat`), in k25jax's
+own chat format (data/legacy_chat.py) through its chat tokenizer (bytes + media + role
+tokens, 268 ids) on the tiny chat model's decoder (`common.TINY_CHAT_TEXT`, the recipe's model): contexts are
 about 3.7x longer in ids. `warm_start.after_init=True` fine-tunes `init.checkpoint` on the
 demonstrations before RL (the recipe's PARL stage: a model that has never seen the
 protocol); it is then both the orchestrator's start and the sub-agents. The chat
