@@ -44,7 +44,7 @@ def test_an_orchestrator_context_is_the_k25_conversation_of_its_episode():
   assert TOK.decode(orch.tokens) == expected
   calls = [_call("create_subagent", 0, {"system_prompt": "searcher", "names": ["S1", "S2"]}),
            _call("assign_task", 1, {"attribute": attribute, "agents": ["S1", "S2"], "entities": "all"})]
-  messages = [k25_rendering.EMPTY_SYSTEM, {"role": "user", "content": f"orch B6 {attribute} {entities}"},
+  messages = [chat.EMPTY_SYSTEM, {"role": "user", "content": f"orch B6 {attribute} {entities}"},
               {"role": "assistant", "content": "", "tool_calls": calls},
               {"role": "tool", "tool_call_id": "functions.assign_task:1", "content": found},
               {"role": "assistant", "content": "all"}]

@@ -154,6 +154,14 @@ def decode(ids) -> str:
   return " ".join(token_name(i) for i in ids)
 
 
+def block_body(block) -> list[int]:
+  """A block's ids without its closing `|` (ValueError if it has none)."""
+  block = [int(t) for t in block]
+  if not block or block[-1] != EOT_ID:
+    raise ValueError(f"a block ends with `|`: {decode(block)!r}")
+  return block[:-1]
+
+
 class DSLTokenizer:
   """The tokenizer object other stages expect: encode/decode plus the special ids."""
 

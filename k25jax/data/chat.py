@@ -44,6 +44,7 @@ from k25jax.data import tool_declaration
 from k25jax.data.tokenizer import MEDIA_TOKENS, Tokenizer
 
 DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
+EMPTY_SYSTEM = {"role": "system", "content": ""}   # a system turn without a prompt: no DEFAULT_SYSTEM inserted
 ROLES = ("system", "user", "assistant", "tool")
 IM_END, IM_MIDDLE = "<|im_end|>", "<|im_middle|>"
 HEADERS = {"system": "<|im_system|>", "user": "<|im_user|>", "assistant": "<|im_assistant|>", "tool": "<|im_system|>"}

@@ -33,7 +33,6 @@ from k25jax.data.vision import Media, media_token_ids
 NAMES = ("legacy", "k2.5")
 PYTHON_TOOL = {"type": "function", "function": {"name": "python", "parameters": {
     "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
-EMPTY_SYSTEM = {"role": "system", "content": ""}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +106,7 @@ class K25ToolFormat:
     return {"role": "user", "content": content}
 
   def prompt(self, question: str, media: Media | None = None) -> list[int]:
-    return chat.render_ids(self.tokenizer, [EMPTY_SYSTEM, self._user(question, media)], [PYTHON_TOOL],
+    return chat.render_ids(self.tokenizer, [chat.EMPTY_SYSTEM, self._user(question, media)], [PYTHON_TOOL],
                            add_generation_prompt=True)[0]
 
   @staticmethod
@@ -117,7 +116,7 @@ class K25ToolFormat:
   def trajectory(self, question: str, steps: Sequence[tuple[str, str]], answer: str,
                  media: Media | None = None) -> tuple[list[int], list[float]]:
     """(ids, loss mask) of question → one call a step, its result → answer."""
-    messages = [EMPTY_SYSTEM, self._user(question, media)]
+    messages = [chat.EMPTY_SYSTEM, self._user(question, media)]
     for k, (code, output) in enumerate(steps):
       call = {"id": self.call_id(k), "type": "function", "function": {"name": "python", "arguments": {"code": code}}}
       messages += [{"role": "assistant", "content": "", "tool_calls": [call]},

@@ -43,7 +43,6 @@ from typing import Sequence
 from k25jax.agents import dsl, tools
 from k25jax.data import chat, tokenizer as tokenizer_lib
 
-EMPTY_SYSTEM = {"role": "system", "content": ""}
 NO_CALL_ID = "functions.error:0"
 
 
@@ -66,17 +65,9 @@ TOOL_WORDS = {"create_subagent": "create", "assign_task": "assign", "search": "s
 _TOOL_NAMES = {word: name for name, word in TOOL_WORDS.items()}
 
 
-def _ids_of(block: Sequence[int]) -> list[int]:
-  """A DSL block's ids, without its `|`."""
-  block = [int(t) for t in block]
-  if not block or block[-1] != dsl.EOT_ID:
-    raise ValueError(f"a block ends with `|`: {dsl.decode(block)!r}")
-  return block[:-1]
-
-
 def _words(block: Sequence[int]) -> list[str]:
   """A DSL block's words, without its `|`."""
-  return dsl.decode(_ids_of(block)).split()
+  return dsl.decode(dsl.block_body(block)).split()
 
 
 def _arguments(group: list[str]) -> dict:
@@ -146,7 +137,7 @@ class K25Rendering:
   def prompt(self, block):
     words = _words(block)
     tools = ORCHESTRATOR_TOOLS if words[0] == "orch" else SUBAGENT_TOOLS
-    messages = [EMPTY_SYSTEM, {"role": "user", "content": " ".join(words)}]
+    messages = [chat.EMPTY_SYSTEM, {"role": "user", "content": " ".join(words)}]
     return chat.render_ids(self.tok, messages, list(tools), add_generation_prompt=True)[0]
 
   def observation(self, block, turn=()):
@@ -157,7 +148,7 @@ class K25Rendering:
     return chat.continuation_ids(self.tok, [result])
 
   def turn(self, block):
-    groups = [dsl.decode(g).split() for g in tools.call_groups(_ids_of(block))]
+    groups = [dsl.decode(g).split() for g in tools.call_groups(dsl.block_body(block))]
     answer = next((g for g in groups if g[0] == "answer"), None)
     if answer is not None:
       message = {"role": "assistant", "content": " ".join(answer[1:])}

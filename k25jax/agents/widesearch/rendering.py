@@ -70,10 +70,7 @@ class Rendering(Protocol):
 
 
 def _text(block: Sequence[int]) -> str:
-  block = [int(t) for t in block]
-  if not block or block[-1] != dsl.EOT_ID:
-    raise ValueError(f"a block ends with `|`: {dsl.decode(block)!r}")
-  return dsl.decode(block[:-1])
+  return dsl.decode(dsl.block_body(block))
 
 
 class DSLRendering:
