@@ -116,12 +116,13 @@ def test_an_int4_k25_folder_fine_tuned_on_chats_with_images_exports_back_to_tran
   from k25jax.train import model_record
   folder, original = int4_folder
   run = tmp_path / "run"
-  out = subprocess.run([sys.executable, "-m", "k25jax.main", "--config=configs/sft.py:tiny,files",
-                        f"--config.init.hf_checkpoint={folder}", f"--config.data.files={_chats(str(tmp_path))}",
-                        "--config.data.eval_every=8", "--config.train.steps=40", "--config.train.batch=8",
-                        "--config.train.visual_batch=8", "--config.train.log_every=10", f"--workdir={run}"],
-                       cwd=CHECKOUT, env=subprocess_env(compile_bound=True), capture_output=True, text=True, timeout=900)
-  assert out.returncode == 0, out.stderr[-3000:]
+  command = subprocess.run([sys.executable, "-m", "k25jax.main", "--config=configs/sft.py:tiny,files",
+                            f"--config.init.hf_checkpoint={folder}", f"--config.data.files={_chats(str(tmp_path))}",
+                            "--config.data.eval_every=8", "--config.train.steps=40", "--config.train.batch=8",
+                            "--config.train.visual_batch=8", "--config.train.log_every=10", f"--workdir={run}"],
+                           cwd=CHECKOUT, env=subprocess_env(compile_bound=True), capture_output=True, text=True,
+                           timeout=900)
+  assert command.returncode == 0, command.stderr[-3000:]
   with open(run / "sft_eval.json") as f:
     result = json.load(f)
   assert result["chats"] == 210 and result["held_out_chats"] == 30
@@ -131,8 +132,9 @@ def test_an_int4_k25_folder_fine_tuned_on_chats_with_images_exports_back_to_tran
   config = load_config("configs/sft.py", "tiny,files")
   config.init.hf_checkpoint = folder
   config_utils.model_section_from_hf(config)
-  cfg = k25.K25(config_utils.k25_config_from(config.model, TOK)).cfg
-  params = jax.device_get(trainer_lib.restore_params(k25.K25(cfg), str(run), sharding.make_mesh(config.mesh.to_dict())))
+  model = k25.K25(config_utils.k25_config_from(config.model, TOK))
+  cfg = model.cfg
+  params = jax.device_get(trainer_lib.restore_params(model, str(run), sharding.make_mesh(config.mesh.to_dict())))
   out = hf_export.export(str(run), str(tmp_path / "hf"))
   reloaded = Kimi_K25ForConditionalGeneration.from_pretrained(out, dtype=torch.float32).eval()
 
@@ -147,7 +149,7 @@ def test_an_int4_k25_folder_fine_tuned_on_chats_with_images_exports_back_to_tran
   assert list(template if isinstance(template, list) else template["input_ids"]) == text_prompt
 
   tokens = np.array([prompt], np.int32)
-  ours, aux = k25.K25(cfg).apply({"params": params}, tokens, image.pixel_values, (image.grid_thw,))
+  ours, aux = model.apply({"params": params}, tokens, image.pixel_values, (image.grid_thw,))
   assert not bool(aux["media_mismatch"])
   hf_inputs = dict(pixel_values=torch.from_numpy(image.pixel_values), image_grid_thw=torch.tensor([image.grid_thw]))
   with torch.no_grad():
