@@ -1,5 +1,5 @@
-"""The wide-search renderings: one episode, the DSL's ids or k25jax's own chat format, the same result
-(Kimi K2.5's format: tests/test_agents_k25_rendering.py)."""
+"""The wide-search renderings: one episode, the DSL's ids, k25jax's own chat format or Kimi K2.5's,
+the same result (the K2.5 rendering's own contexts and malformed turns: tests/test_agents_k25_rendering.py)."""
 import numpy as np
 import pytest
 
