@@ -30,10 +30,9 @@ from typing import Iterator, Sequence, TextIO
 import jax
 from absl import app, flags
 
-from k25jax.agents import tool_rollout
 from k25jax.data import chat_formats, vision as vision_data
 from k25jax.model.config import K25Config
-from k25jax.rl import decode, sampler
+from k25jax.rl import decode, media_rows, sampler
 from k25jax.train import saved_model
 
 STREAM_WIDTH_MULTIPLE = 64     # a streamed prompt is padded to this: a chat compiles once per 64 tokens, not per turn
@@ -79,7 +78,7 @@ class Talker:
     """The rows' image features and placeholder mask for padded prompts (None without images)."""
     if not any(m is not None for m in images):
       return lambda prompts: None
-    return tool_rollout.rows_media(self.saved.cfg, self.saved.params, images)
+    return media_rows.rows_media(self.saved.cfg, self.saved.params, images)
 
   def _key(self) -> jax.Array:
     self.rng, key = jax.random.split(self.rng)

@@ -10,7 +10,7 @@ from k25jax.data import image_tasks, tool_formats, zero_vision
 from k25jax.data import vision as vision_data
 from k25jax.model import config as model_config
 from k25jax.model import k25, transformer
-from k25jax.rl import rollout, sampler, tasks as rl_tasks
+from k25jax.rl import media_rows, rollout, sampler, tasks as rl_tasks
 
 FMT = tool_formats.LegacyToolFormat()
 TOK = FMT.tokenizer
@@ -126,7 +126,7 @@ def test_sampled_logprobs_match_the_k25_training_path_over_several_turns(pool, m
   assert [TOK.media.pad in t.tokens for t in transcripts] == [m is not None for m in items]
   assert max(t.turns for t in transcripts) == 2 and sum(t.calls for t in transcripts) >= 2
   rows = rollout.loss_rows(transcripts, seq_len=128, pad_id=TOK.pad_id)
-  pixels, layout = tool_rollout.media_batch(items, cfg, len(items), per_row)
+  pixels, layout = media_rows.media_batch(items, cfg, len(items), per_row)
   logits, _ = jax.jit(k25.K25(cfg).apply)({"params": params}, jnp.asarray(rows["inputs"]), jnp.asarray(pixels), layout)
   logp = rollout.token_logprobs(rollout.mask_banned(logits, banned), jnp.asarray(rows["targets"]), 0.8)
   np.testing.assert_allclose(np.where(rows["mask"] > 0, logp, 0.0), rows["old_logp"], atol=2e-5)

@@ -18,11 +18,10 @@ from PIL import Image
 from configs import common
 from cpu_env import subprocess_env
 from k25jax import generate
-from k25jax.agents import tool_rollout
 from k25jax.data import chat_formats, legacy_chat, tokenizer
 from k25jax.model import k25, media as media_lib, transformer
 from k25jax.model.config import ModelConfig
-from k25jax.rl import decode, sampler
+from k25jax.rl import decode, media_rows, sampler
 from k25jax.train import config_utils, hf_export, model_record, saved_model, sharding, trainer as trainer_lib
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -131,8 +130,8 @@ def test_a_k25_checkpoint_answers_about_an_image_in_the_k25_format(tmp_path):
   prompt = talker.format.prompt(messages, image)
   assert chat_formats.K25Format(tok).prompt(messages, image) == prompt
   assert prompt.count(tok.media.pad) == image.num_tokens == 4        # 56x56: 4x4 patches, merged 2x2
-  pixels, layout = tool_rollout.media_batch([image], saved.cfg, 1)
-  features = tool_rollout.encode_media(saved.params, pixels, layout, cfg=saved.cfg)
+  pixels, layout = media_rows.media_batch([image], saved.cfg, 1)
+  features = media_rows.encode_media(saved.params, pixels, layout, cfg=saved.cfg)
   mask = media_lib.placeholder_mask(np.asarray([prompt]), saved.cfg.media_token_ids)
   expected = talker.format.reply(greedy_replies(saved, [prompt], talker.format.stop_ids, (features, mask))[0])
   assert "".join(talker.stream(messages, image)) == expected.text and talker.last == expected

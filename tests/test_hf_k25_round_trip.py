@@ -26,7 +26,7 @@ from transformers import AutoTokenizer, Kimi_K25ForConditionalGeneration
 from k25jax.convert import hf, int4, safetensors_io
 from k25jax.data import chat, tokenizer as tokenizer_lib, vision as vision_data
 from k25jax.model import k25
-from k25jax.rl import decode, sampler
+from k25jax.rl import decode, media_rows, sampler
 from k25jax.train import config_utils, hf_export, sharding, trainer as trainer_lib
 from test_sft_chat_files import CHECKOUT, _image, _image_chat, _tool_chat, _write_jsonl
 from test_vision_parity import tiny_k25_hf_config
@@ -111,7 +111,6 @@ def _chats(folder: str) -> str:
 
 @pytest.mark.slow
 def test_an_int4_k25_folder_fine_tuned_on_chats_with_images_exports_back_to_transformers(int4_folder, tmp_path):
-  from k25jax.agents import tool_rollout
   from k25jax.data import chat_formats
   from k25jax.train import model_record
   folder, original = int4_folder
@@ -169,5 +168,5 @@ def test_an_int4_k25_folder_fine_tuned_on_chats_with_images_exports_back_to_tran
   assert generated.shape == (1, 32)
   greedy = sampler.SamplingConfig(max_new_tokens=32, temperature=0.0, pad_id=tokenizer_lib.PAD_ID)
   sampled = decode.decode(cfg.text, params[k25.LANGUAGE_MODEL], [prompt], jax.random.PRNGKey(0), greedy,
-                          bucket_rows=False, media_for=tool_rollout.rows_media(cfg, params, [image]))
+                          bucket_rows=False, media_for=media_rows.rows_media(cfg, params, [image]))
   np.testing.assert_array_equal(sampled["tokens"], generated)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 from typing import Callable, Sequence
 
 import jax
@@ -33,9 +32,9 @@ import numpy as np
 from k25jax.agents import sandbox
 from k25jax.data import image_tasks, legacy_chat, tool_formats
 from k25jax.data import vision as vision_data
-from k25jax.model import k25, media as media_lib, vision
+from k25jax.model import k25
 from k25jax.model.config import K25Config, ModelConfig
-from k25jax.rl import decode, sampler
+from k25jax.rl import decode, media_rows, sampler
 
 FINISHES = ("answer", "truncated", "turn_limit", "length_limit")
 
@@ -198,64 +197,22 @@ def text_decoder(cfg: ModelConfig, params, sampling: sampler.SamplingConfig, see
   return decode_turns
 
 
-def media_batch(items: Sequence[vision_data.Media | None], cfg: K25Config, rows: int, per_row: int | None = None
-                ) -> tuple[np.ndarray, vision.PatchLayout] | None:
-  """Pixel values of `items` (one per row, in row order; None for a row without an image)
-  zero-padded to `rows` × `per_row` patches (default: the largest item's), and their
-  PatchLayout padded alike (one compilation per row count). None when no row has an image."""
-  present = [m for m in items if m is not None]
-  if not present:
-    return None
-  pixels, grids = vision_data.pack_media(present)
-  per_row = per_row if per_row is not None else max(m.pixel_values.shape[0] for m in present)
-  budget = rows * per_row
-  if len(pixels) > budget:
-    raise ValueError(f"the rows' images have {len(pixels)} patches, more than {rows} rows x {per_row}")
-  padded = np.zeros((budget,) + pixels.shape[1:], np.float32)
-  padded[:len(pixels)] = pixels
-  kh, kw = cfg.vision.merge_kernel_size
-  return padded, vision.patch_layout(grids, cfg.vision, num_patches=budget, num_merged=budget // (kh * kw))
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def encode_media(params, pixel_values, layout: vision.PatchLayout, *, cfg: K25Config) -> jax.Array:
-  """The projector outputs of a padded media batch [num_merged, text hidden] (`K25.encode_media`)."""
-  return k25.K25(cfg).apply({"params": params}, pixel_values, layout, method=k25.K25.encode_media)
-
-
 def vision_decoder(cfg: K25Config, params, sampling: sampler.SamplingConfig,
                    media_of: Callable[[int], vision_data.Media | None], seed: int = 0, min_rows: int = 1,
                    per_row: int | None = None) -> Decoder:
   """A Decoder over the K2.5 model: each context holds its episode's image block
   (`media_of(episode)`; None: a text-only episode, no block); per round the vision tower
-  encodes the images of the rows (`per_row` patches a row, `media_batch`), and the sampler
+  encodes the images of the rows (`per_row` patches a row, `media_rows.media_batch`), and the sampler
   splices the features into the placeholders at prefill. A round without images decodes
   text only."""
   rng = [jax.random.PRNGKey(seed)]
 
   def decode_turns(contexts, episodes):
-    media_for = rows_media(cfg, params, [media_of(e) for e in episodes], per_row)
+    media_for = media_rows.rows_media(cfg, params, [media_of(e) for e in episodes], per_row)
     rng[0], key = jax.random.split(rng[0])
     return decode.turns(decode.decode(cfg.text, params[k25.LANGUAGE_MODEL], contexts, key, sampling,
                                       width_multiple=TURN_WIDTH_MULTIPLE, min_rows=min_rows, media_for=media_for))
   return decode_turns
-
-
-def rows_media(cfg: K25Config, params, items: Sequence[vision_data.Media | None],
-               per_row: int | None = None) -> decode.MediaFor:
-  """media_for(prompts) of `decode.decode` for rows whose images are `items` (row order; None:
-  no image): the placeholders checked against the items, the images encoded by the vision
-  tower (`per_row` patches a row, `media_batch`) into the features the sampler splices in at
-  prefill; None when no row has an image."""
-  def media_for(prompts):
-    mask = media_lib.placeholder_mask(prompts, cfg.media_token_ids)
-    media_lib.check_placeholders(mask, [m.num_tokens for m in items if m is not None])
-    batch = media_batch(items, cfg, len(prompts), per_row)
-    if batch is None:
-      return None
-    pixel_values, layout = sampler.on_params_mesh(params, batch)
-    return encode_media(params, pixel_values, layout, cfg=cfg), mask
-  return media_for
 
 
 def sandbox_pool(section) -> sandbox.SandboxPool:

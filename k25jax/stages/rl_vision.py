@@ -41,7 +41,7 @@ from k25jax.data import chat_formats, image_tasks, tool_formats
 from k25jax.data import vision as vision_data
 from k25jax.model import k25
 from k25jax.model.config import K25Config
-from k25jax.rl import driver, prompt_files, rollout, sampler, tasks, toggle
+from k25jax.rl import driver, media_rows, prompt_files, rollout, sampler, tasks, toggle
 from k25jax.train import config_utils, model_record, multimodal, sharding, trainer as trainer_lib
 
 ROW_FEATURES = ("inputs", "targets", "positions", "segment_ids", "mask", "old_logp", "advantages", "rewards")
@@ -175,7 +175,7 @@ def collector(config, model_cfg: K25Config, fmt, pool, split: TaskSplit, per_row
 def device_minibatch(rows: dict, items, model_cfg: K25Config, mesh, per_row: int) -> dict:
   """Rows over the batch axes; their images (one per row at most, in row order) padded to
   `per_row` patches a row and replicated; a minibatch without images, the rows alone."""
-  media = tool_rollout.media_batch(items, model_cfg, len(items), per_row)
+  media = media_rows.media_batch(items, model_cfg, len(items), per_row)
   return multimodal.to_device(rows if media is None else {**rows, "pixel_values": media[0], "layout": media[1]},
                               mesh)
 

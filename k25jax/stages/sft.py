@@ -47,7 +47,7 @@ from k25jax.data import tokenizer as tokenizer_lib, tool_formats, visual_synthet
 from k25jax.data import vision as vision_data
 from k25jax.model import k25
 from k25jax.model.config import K25Config
-from k25jax.rl import sampler, tasks as rl_tasks
+from k25jax.rl import media_rows, sampler, tasks as rl_tasks
 from k25jax.train import chat_rows, checkpoint, config_utils, loop, multimodal, objective, optimizer, sharding
 from k25jax.train import trainer as trainer_lib
 
@@ -228,7 +228,7 @@ class Batches:
     vis = packing.draw_rows(rng, len(self.visual["inputs"]), self.config.train.visual_batch)
     batch = {name: np.concatenate([batch[name], self.visual[name][vis]]) for name in batch}
     items = [self.items[r * self.per_row + s] for r in vis for s in range(self.per_row)]
-    pixels, layout = tool_rollout.media_batch(items, self.model_cfg, self.config.train.visual_batch * self.per_row)
+    pixels, layout = media_rows.media_batch(items, self.model_cfg, self.config.train.visual_batch * self.per_row)
     return {**batch, "pixel_values": pixels, "layout": layout}
 
 
