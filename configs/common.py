@@ -207,3 +207,17 @@ def sandbox_section(sessions: int) -> ml_collections.ConfigDict:
   """The sandboxed Python tool (`k25jax.agents.sandbox`): sessions and per-call limits."""
   return ml_collections.ConfigDict(dict(sessions=sessions, cpu_s=2.0, wall_s=10.0, memory_mb=512,
                                         output_chars=120))
+
+
+def grm_section(**overrides) -> ml_collections.ConfigDict:
+  """A generative reward model (`k25jax.rl.grm`): the judge (`checkpoint`: a k25jax workdir or an
+  HF folder of a K2.5 model speaking Kimi K2.5's chat format; '' = none), its sampling, the
+  verdict grammar (one group: k of k/max_score at the judgement's end), and how `samples`
+  judgements of a response make its reward (mean | vote); `reference`: the true answer is in
+  the judge's prompt."""
+  c = ml_collections.ConfigDict(dict(checkpoint="", samples=1, temperature=1.0, max_new_tokens=96,
+                                     verdict=r"Score:\s*(\d+)\s*/\s*10\s*$", max_score=10, aggregate="mean",
+                                     reference=False))
+  c.update(overrides)
+  return c
+

@@ -29,7 +29,12 @@ kinds), grouped by ability, with per-ability accuracy and length in the logs. Bo
 `toggle` switch (`configs/rl.py:joint,toggle`): Toggle on the generated tokens of an episode,
 and the `k25_format` switch (`configs/rl.py:vision,k25_format`): the episodes in Kimi K2.5's
 chat format (`task.chat_format`; the python tool declared and called through tool-call
-sections), from an SFT in that format (`configs/sft.py:tiny,k25_format`).
+sections), from an SFT in that format (`configs/sft.py:tiny,k25_format`). The `describe`
+switch (`configs/rl.py:joint,describe`) adds open descriptions of synthetic scenes
+(`k25jax/data/descriptions.py`), rewarded by a generative reward model: the judge of
+`grm.checkpoint` (default runs/grm, configs/grm.py's workdir; `k25jax/rl/grm.py`), or with
+`rl.describe_reward=rubric` by the hidden rubric itself (the upper bound); from an SFT that
+saw descriptions (`configs/sft.py:tiny,describe`).
 
 Run length: `train.steps` RL iterations, each `rl.prompts_per_iteration` prompts ×
 `rl.num_generations` samples, then `rl.minibatches` updates.
@@ -44,7 +49,7 @@ import ml_collections
 from configs import common
 
 PRESETS = ("tiny", "k25", "vision", "joint")
-SWITCHES = ("toggle", "no_tool", "compact", "k25_format")
+SWITCHES = ("toggle", "no_tool", "compact", "k25_format", "describe")
 
 TINY_MODEL = dict(vocab_size=common.CHAT_VOCAB_SIZE, hidden_size=64, intermediate_size=192, moe_intermediate_size=64,
                   num_hidden_layers=2, num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2,
@@ -59,6 +64,8 @@ def get_config(arg=None):
     return vision_config(preset, switches)
   if "no_tool" in switches:
     raise ValueError(f"configs/rl.py:{preset}: the no_tool switch is for the vision preset")
+  if "describe" in switches:
+    raise ValueError(f"configs/rl.py:{preset}: the describe switch is for the vision and joint presets")
   for switch in ("compact", "k25_format"):
     if switch in switches and preset != "tiny":
       raise ValueError(f"configs/rl.py:{preset}: the {switch} switch is for the tiny preset")
@@ -140,7 +147,8 @@ def vision_config(preset: str, switches: set) -> ml_collections.ConfigDict:
   c.init.checkpoint = "runs/sft"       # a K2.5 workdir of the same model: configs/sft.py's
   c.task = ml_collections.ConfigDict(dict(
       train_prompts=512, eval_prompts=64, seed=0, image_size=56,
-      kinds=("addition," if preset == "joint" else "") + "count,locate,compare,read",
+      kinds=("addition," if preset == "joint" else "") + "count,locate,compare,read" + (
+          ",describe" if "describe" in switches else ""),
       files="", eval_files="", verifier="exact", on_bad_record="error",
       chat_format="k2.5" if k25_format else "legacy"))   # the episodes' (and the init checkpoint's SFT's)
   # task.kinds: a comma-separated subset of k25jax.stages.rl_vision.TASK_KINDS (addition is text only);
@@ -150,7 +158,9 @@ def vision_config(preset: str, switches: set) -> ml_collections.ConfigDict:
       temperature=1.0, top_k=0, top_p=1.0,
       tool="no_tool" not in switches,      # the sandboxed Python tool (a call without it: an error observation)
       max_turns=4, max_context=896 if k25_format else 496, turn_tokens=256 if k25_format else 160,  # K2.5 calls: <= 190
-      eval_samples=2))
+      eval_samples=2,
+      describe_reward="grm"))    # the describe tasks' reward: grm (the judge's verdict) | rubric (the hidden truth)
+  c.grm = common.grm_section(checkpoint="runs/grm" if "describe" in switches else "")   # the judge: configs/grm.py
   c.loss = common.policy_loss_section()
   c.toggle = toggle_section("toggle" in switches, budget_samples=4)   # budgets from 4 episodes a task
   c.sandbox = common.sandbox_section(sessions=32)

@@ -19,6 +19,10 @@ forgetting (text documents, loss on every token; joint pre-training image sample
 the answer, in `train.visual_batch` rows): the recipe's SFT uses both (configs/recipe.py).
 The optimizer is MuonClip (`--config.optimizer.name=adamw` switches).
 
+Switch `describe` (`configs/sft.py:tiny,describe`): adds 3,000 image → description
+conversations of synthetic scenes (`k25jax/data/descriptions.py`), the ability joint RL then
+trains with a generative reward model (`configs/rl.py:joint,describe`).
+
 Switch `k25_format` (`configs/sft.py:tiny,k25_format`): the trajectories, the examples and
 the rollouts in Kimi K2.5's chat format (`k25jax/data/tool_formats.py`: the Python tool a
 declared `python(code)` function, its calls in tool-call sections), over the byte tokenizer
@@ -39,7 +43,7 @@ from configs import common
 
 def get_config(arg=None):
   preset, switches = common.preset_and_switches(arg, "configs/sft.py", ("tiny",),
-                                                ("visual", "arithmetic", "files", "k25_format"))
+                                                ("visual", "arithmetic", "files", "k25_format", "describe"))
   c = ml_collections.ConfigDict()
   c.stage = "sft"
   k25_format = bool({"files", "k25_format"} & switches)
@@ -64,6 +68,7 @@ def get_config(arg=None):
       visual_sft="visual" in switches,     # add image + question → answer examples (text+vision SFT)
       visual_examples=3000,
       arithmetic_examples=3000 if "arithmetic" in switches else 0,   # 2-digit addition chats (joint RL's text)
+      describe_examples=3000 if "describe" in switches else 0,   # image → its description (joint RL's GRM task)
       text_replay=0,    # rows of pre-training text (loss on every token) mixed in against forgetting
       vision_replay=0))  # joint pre-training image samples (loss on the answer), in train.visual_batch rows
 

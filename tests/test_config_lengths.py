@@ -16,7 +16,8 @@ CONFIG_FILES = [
     ("configs/rl.py", "vision"), ("configs/rl.py", "vision,no_tool"), ("configs/rl.py", "joint,toggle"),
     ("configs/rl.py", "vision,k25_format"), ("configs/sft.py", "tiny,k25_format"),
     ("configs/toggle.py", None), ("configs/parl.py", "tiny"), ("configs/parl.py", "tiny,chat"),
-    ("configs/parl.py", "tiny,k25_format")]
+    ("configs/parl.py", "tiny,k25_format"), ("configs/grm.py", None), ("configs/sft.py", "tiny,describe"),
+    ("configs/rl.py", "joint,describe")]
 STEPS = (1, 7, 60)
 # Presets the stage cannot run at any length, and the one line that says why: the pod's RL update
 # is compiled by experiments/aot_compile.py; the addition task has no K2 tokenizer.

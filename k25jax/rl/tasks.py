@@ -376,7 +376,8 @@ def arithmetic_tasks(n: int, seed: int, exclude: frozenset = frozenset()) -> lis
 # The abilities joint RL groups its tasks by (what a task asks for, not its modality): a task
 # kind (`ArithmeticTask.kind`, `k25jax.data.image_tasks.KINDS`) → its ability.
 ABILITIES = {"addition": "arithmetic", "count": "visual_counting", "read": "visual_reading",
-             "locate": "visual_spatial", "compare": "visual_spatial", "file": "from_files"}
+             "locate": "visual_spatial", "compare": "visual_spatial", "describe": "visual_description",
+             "file": "from_files"}
 
 
 # --- reasoning-gym tasks ---------------------------------------------------------------

@@ -37,18 +37,18 @@ import ml_collections
 import numpy as np
 
 from k25jax.agents import tool_rollout
-from k25jax.data import chat_formats, image_tasks, tool_formats
+from k25jax.data import chat_formats, descriptions, image_tasks, tool_formats
 from k25jax.data import vision as vision_data
 from k25jax.model import k25
 from k25jax.model.config import K25Config
-from k25jax.rl import driver, media_rows, prompt_files, rollout, sampler, tasks, toggle
+from k25jax.rl import driver, grm, media_rows, prompt_files, rollout, sampler, tasks, toggle
 from k25jax.train import config_utils, model_record, multimodal, sharding, trainer as trainer_lib
 
 ROW_FEATURES = ("inputs", "targets", "positions", "segment_ids", "mask", "old_logp", "advantages", "rewards")
 
 
 # ---------------------------------------------------------------------------- the tasks
-TASK_KINDS = ("addition",) + image_tasks.KINDS      # addition: text only (`tasks.ArithmeticTask`)
+TASK_KINDS = ("addition",) + image_tasks.KINDS + (descriptions.KIND,)   # addition: text only; describe: open
 
 
 def parse_kinds(text: str) -> tuple[str, ...]:
@@ -62,13 +62,14 @@ def parse_kinds(text: str) -> tuple[str, ...]:
 def make_tasks(n: int, seed: int, kinds: tuple[str, ...], image_size: int, exclude: frozenset = frozenset()) -> list:
   """n tasks, kinds in turn (task i has kind kinds[i % len(kinds)]); the image tasks are
   `image_tasks.make_tasks` of the image kinds, the addition tasks `tasks.arithmetic_tasks`
-  (none with operands in `exclude`)."""
+  (none with operands in `exclude`), the descriptions `descriptions.make_tasks` (56×56 scenes)."""
   picks = [kinds[i % len(kinds)] for i in range(n)]
-  image_kinds = tuple(k for k in kinds if k != "addition")
-  images = iter(image_tasks.make_tasks(sum(k != "addition" for k in picks), seed, image_size, image_kinds)
+  image_kinds = tuple(k for k in kinds if k in image_tasks.KINDS)
+  images = iter(image_tasks.make_tasks(sum(k in image_kinds for k in picks), seed, image_size, image_kinds)
                 if image_kinds else [])
-  sums = iter(tasks.arithmetic_tasks(picks.count("addition"), seed, exclude))
-  return [next(sums) if kind == "addition" else next(images) for kind in picks]
+  made = {"addition": iter(tasks.arithmetic_tasks(picks.count("addition"), seed, exclude)),
+          descriptions.KIND: iter(descriptions.make_tasks(picks.count(descriptions.KIND), seed))}
+  return [next(made[kind]) if kind in made else next(images) for kind in picks]
 
 
 @dataclasses.dataclass
@@ -113,13 +114,39 @@ class TaskSplit:
 
 
 def ability_metrics(transcripts, split_tasks) -> dict[str, float]:
-  """Accuracy and generated tokens per ability (`tasks.ABILITIES`) of the episodes."""
+  """Accuracy and generated tokens per ability (`tasks.ABILITIES`) of the episodes, and for
+  descriptions the mean hidden rubric (`descriptions.rubric`)."""
   out = {}
   for ability in dict.fromkeys(tasks.ABILITIES[t.kind] for t in split_tasks):
     chosen = [(e, t) for e, t in zip(transcripts, split_tasks) if tasks.ABILITIES[t.kind] == ability]
     out[f"{ability}/accuracy"] = float(np.mean([t.grade(e.answer) for e, t in chosen]))
     out[f"{ability}/length"] = float(np.mean([sum(e.loss_mask) for e, _ in chosen]))
+    if all(t.kind == descriptions.KIND for _, t in chosen):
+      out[f"{ability}/rubric"] = float(np.mean([t.rubric(e.answer) for e, t in chosen]))
   return out
+
+
+def describe_rewards(config, judge: grm.Judge | None, episodes: TaskSplit, transcripts,
+                     reward: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
+  """The description episodes' rewards: the judge's verdicts (`rl.describe_reward=grm`, all of
+  the iteration's descriptions in one batched judgement) or the hidden rubric (`=rubric`, the
+  upper bound; `reward` holds it). With a judge, both are logged, with their gap (judge minus
+  rubric: reward hacking shows as a gap that grows), unparsable verdicts and the judge's time."""
+  rows = [i for i, t in enumerate(episodes.tasks) if t.kind == descriptions.KIND]
+  if not rows or judge is None:
+    return reward, {}
+  picked = [episodes.tasks[i] for i in rows]
+  judged = judge.judge([t.question for t in picked], [transcripts[i].answer for i in rows],
+                       [episodes.items[i] for i in rows], [t.answer for t in picked])
+  rubric = reward[rows]
+  metrics = {"visual_description/grm_reward": float(judged.rewards.mean()),
+             "visual_description/gap": float((judged.rewards - rubric).mean()),
+             "grm_unparsable": judged.unparsable / judged.verdicts.size, "grm_s": judged.seconds,
+             "grm_tokens": float(judged.tokens)}
+  if config.rl.describe_reward == "grm":
+    reward = reward.copy()
+    reward[rows] = judged.rewards
+  return reward, metrics
 
 
 def play(config, model_cfg: K25Config, params, fmt, pool, split: TaskSplit, *, temperature: float, seed: int,
@@ -149,9 +176,10 @@ def toggle_budgets(config, model_cfg: K25Config, params, fmt, pool, split: TaskS
   return toggle.budgets(config.toggle, [sum(t.loss_mask) for t in transcripts], correct, np.repeat(rows, k), len(rows))
 
 
-def collector(config, model_cfg: K25Config, fmt, pool, split: TaskSplit, per_row: int, budgets: np.ndarray):
-  """collect(params, i): iteration i's P tasks × K episodes, graded, Toggle-shaped, as loss rows
-  with their images."""
+def collector(config, model_cfg: K25Config, fmt, pool, split: TaskSplit, per_row: int, budgets: np.ndarray,
+              judge: grm.Judge | None = None):
+  """collect(params, i): iteration i's P tasks × K episodes, graded (descriptions by the judge,
+  `describe_rewards`), Toggle-shaped, as loss rows with their images."""
   r, k, seed = config.rl, config.rl.num_generations, config.train.seed
 
   def collect(params, it: int) -> driver.Rollouts:
@@ -160,6 +188,7 @@ def collector(config, model_cfg: K25Config, fmt, pool, split: TaskSplit, per_row
     transcripts = play(config, model_cfg, params, fmt, pool, episodes, temperature=r.temperature,
                        seed=seed * 7919 + it, per_row=per_row)
     reward = np.array([task.reward(t.answer) for t, task in zip(transcripts, episodes.tasks)], np.float32)
+    reward, judged = describe_rewards(config, judge, episodes, transcripts, reward)
     correct = np.array([task.grade(t.answer) for t, task in zip(transcripts, episodes.tasks)], bool)
     lengths = np.array([sum(t.loss_mask) for t in transcripts], np.float32)
     shaped, phase = toggle.shape_rewards(config.toggle, k, it, reward, correct, lengths,
@@ -167,7 +196,7 @@ def collector(config, model_cfg: K25Config, fmt, pool, split: TaskSplit, per_row
     return driver.Rollouts(rollout.loss_rows(transcripts, r.max_context, fmt.pad_id), shaped,
                            {"reward": float(reward.mean()), "shaped_reward": float(shaped.mean()),
                             "toggle_phase": phase, **tool_rollout.summarize(transcripts, episodes.tasks),
-                            **ability_metrics(transcripts, episodes.tasks)},
+                            **ability_metrics(transcripts, episodes.tasks), **judged},
                            media=episodes.items)
   return collect
 
@@ -192,7 +221,7 @@ def evaluate(config, model_cfg, params, fmt, pool, split: TaskSplit, per_row: in
   out = {**tool_rollout.summarize(sampled, repeated.tasks), **ability_metrics(sampled, repeated.tasks)}
   out["greedy_accuracy"] = tool_rollout.summarize(greedy, split.tasks)["accuracy"]
   out.update({f"greedy_{name}": v for name, v in ability_metrics(greedy, split.tasks).items()
-              if name.endswith("/accuracy")})
+              if name.endswith(("/accuracy", "/rubric"))})
   return out
 
 
@@ -213,7 +242,28 @@ def check(config) -> None:
       raise ValueError(f"config: task.chat_format={config.task.chat_format!r}, but init.checkpoint="
                        f"{config.init.checkpoint!r} was trained in the {trained!r} chat format"
                        + (" (configs/rl.py:vision,k25_format)" if trained == "k2.5" else ""))
+  check_describe(config)
   driver.check(config)
+
+
+DESCRIBE_REWARDS = ("grm", "rubric")
+
+
+def describes(config) -> bool:
+  """Whether the run's tasks include descriptions (generated ones: `task.kinds`)."""
+  return not config.task.files and descriptions.KIND in parse_kinds(config.task.kinds)
+
+
+def check_describe(config) -> None:
+  """The description task's reward: a judge to load (`grm.checkpoint`, its section's fields) or
+  the hidden rubric."""
+  if config.rl.describe_reward not in DESCRIBE_REWARDS:
+    raise ValueError(f"config: rl.describe_reward={config.rl.describe_reward!r}: must be one of {DESCRIBE_REWARDS}")
+  if describes(config) and config.rl.describe_reward == "grm" and not config.grm.checkpoint:
+    raise ValueError("config: task.kinds has describe, rewarded by the GRM (rl.describe_reward='grm'): set "
+                     "grm.checkpoint to a judge (a workdir of configs/grm.py), or rl.describe_reward='rubric'")
+  if config.grm.checkpoint:
+    grm.check(config.grm)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str):
@@ -226,6 +276,10 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   train_split, eval_split = TaskSplit.from_config(config)
   per_row = max(train_split.patches_per_row, eval_split.patches_per_row)
   by_ability = [f"{ability}/accuracy" for ability in dict.fromkeys(tasks.ABILITIES[t.kind] for t in eval_split.tasks)]
+  by_ability += ["visual_description/rubric"] if describes(config) else []
+  # the frozen judge of the descriptions, loaded (one device) before the run's mesh is set, then replicated on it
+  judge = grm.Judge.load(config.grm, mesh, seed=config.train.seed + 11) if describes(config) and \
+      config.grm.checkpoint else None
   with tool_rollout.sandbox_pool(config.sandbox) as pool, \
       trainer_lib.Trainer.for_config(config, workdir, model, driver.make_optimizer(config), mesh,
                                      tokenizer=chat_formats.record_of(tok)) as trainer:
@@ -234,9 +288,10 @@ def run(config: ml_collections.ConfigDict, workdir: str):
                                                                     train_split, per_row))
                if config.toggle.enabled else np.zeros(len(train_split.tasks), np.float32))
     return driver.train(
-        trainer, state, config, collect=collector(config, model.cfg, fmt, pool, train_split, per_row, budgets),
+        trainer, state, config, collect=collector(config, model.cfg, fmt, pool, train_split, per_row, budgets, judge),
         evaluate=lambda params: evaluate(config, model.cfg, params, fmt, pool, eval_split, per_row),
-        name="rl_vision", log_keys=("reward", "tool_call_success", "calls_per_episode", "loss", "sample_s", "train_s"),
+        name="rl_vision", log_keys=("reward", "tool_call_success", "calls_per_episode", "visual_description/grm_reward",
+                                    "visual_description/rubric", "loss", "sample_s", "grm_s", "train_s"),
         eval_keys=("accuracy", "greedy_accuracy", "tool_call_success", "calls_per_episode", "generated_tokens",
                    *by_ability),
         summary_keys=("accuracy", "greedy_accuracy", "tool_call_success", *by_ability),

@@ -42,13 +42,15 @@ import numpy as np
 from absl import logging
 
 from k25jax.agents import tool_rollout
-from k25jax.data import chat_files, chat_formats, files as files_lib, image_tasks, packing, sources
+from k25jax.data import chat_files, chat_formats, descriptions, files as files_lib, image_tasks, judgements
+from k25jax.data import packing, sources
 from k25jax.data import tokenizer as tokenizer_lib, tool_formats, visual_synthetic, zero_vision
 from k25jax.data import vision as vision_data
 from k25jax.model import k25
 from k25jax.model.config import K25Config
-from k25jax.rl import media_rows, sampler, tasks as rl_tasks
-from k25jax.train import chat_rows, checkpoint, config_utils, loop, multimodal, objective, optimizer, sharding
+from k25jax.rl import grm, media_rows, sampler, tasks as rl_tasks
+from k25jax.train import chat_rows, checkpoint, config_utils, loop, multimodal, objective, optimizer, saved_model
+from k25jax.train import sharding
 from k25jax.train import trainer as trainer_lib
 
 FEATURES = tuple(name for name, _ in packing.FEATURES)
@@ -88,7 +90,19 @@ def visual_examples(config, fmt) -> tuple[dict[str, np.ndarray], list[vision_dat
   return packing.right_padded(rendered, max(len(ids) for ids, _ in rendered), fmt.pad_id), items
 
 
+def describe_examples(config, fmt) -> tuple[dict[str, np.ndarray], list[vision_data.Media]]:
+  """data.describe_examples image + "Describe …" → the true description conversations (scenes
+  of seed data.seed + DESCRIBE_SEED_OFFSET, `descriptions`), right-padded to the longest, and
+  their images: the description ability that joint RL with a GRM starts from."""
+  d = config.data
+  tasks = descriptions.make_tasks(d.describe_examples, d.seed + DESCRIBE_SEED_OFFSET)
+  items = [vision_data.preprocess_image(t.image) for t in tasks]
+  rendered = [fmt.trajectory(t.question, [], t.answer, media=m) for t, m in zip(tasks, items)]
+  return packing.right_padded(rendered, max(len(ids) for ids, _ in rendered), fmt.pad_id), items
+
+
 ARITHMETIC_SEED_OFFSET = 104729   # the addition demonstrations' seed: data.seed + this
+DESCRIBE_SEED_OFFSET = 130363     # the description examples' seed: data.seed + this
 
 
 class ToolPrompts:
@@ -169,9 +183,11 @@ def vision_replay(config, fmt) -> tuple[dict[str, np.ndarray], list[vision_data.
 
 
 def image_rows(config, fmt) -> tuple[dict[str, np.ndarray], list[vision_data.Media]] | None:
-  """The conversations with an image (visual SFT examples, then vision replay samples), right-
+  """The conversations with an image (visual SFT examples, description examples, then vision
+  replay samples), right-
   padded to the longest of them, and their images; None when there are none."""
   parts = ([visual_examples(config, fmt)] if config.data.visual_sft else []) + (
+      [describe_examples(config, fmt)] if config.data.describe_examples else []) + (
       [vision_replay(config, fmt)] if config.data.vision_replay else [])
   if not parts:
     return None
@@ -290,8 +306,8 @@ def print_summary(results: dict[str, dict], n_tasks: int) -> None:
 
 
 # ------------------------------------------------------------------------------------- run
-SOURCES = ("zero_vision", "files")
-ZERO_VISION_ONLY = ("visual_sft", "arithmetic_examples", "text_replay", "vision_replay")
+SOURCES = ("zero_vision", "files", "judgements")
+ZERO_VISION_ONLY = ("visual_sft", "arithmetic_examples", "describe_examples", "text_replay", "vision_replay")
 
 
 def check(config) -> None:
@@ -319,12 +335,15 @@ def check(config) -> None:
                        "tokenizer; other tokenizers go with data.source='files'")
     return
   if d.chat_format != "k2.5":
-    raise ValueError("config: data.source='files' renders chats in the K2.5 chat format: data.chat_format must be "
-                     "'k2.5' (configs/sft.py:tiny,files)")
+    raise ValueError(f"config: data.source={d.source!r} renders chats in the K2.5 chat format: data.chat_format must "
+                     "be 'k2.5' (configs/sft.py:tiny,files, configs/grm.py)")
   for name in ZERO_VISION_ONLY:
     if d[name]:
-      raise ValueError(f"config: data.{name}={d[name]!r} belongs to data.source='zero_vision'; data.source='files' "
-                       "trains on the files' chats alone")
+      raise ValueError(f"config: data.{name}={d[name]!r} belongs to data.source='zero_vision'; data.source="
+                       f"{d.source!r} trains on its chats alone")
+  if d.source == "judgements":
+    judge_check(config)
+    return
   if not d.files:
     raise ValueError("config: data.source='files' needs data.files (GLOB,...: .jsonl, .jsonl.gz or .parquet chats)")
   files_lib.BadRecords(d.on_bad_record)   # a policy it does not know is its one-line config error
@@ -347,7 +366,7 @@ def run(config: ml_collections.ConfigDict, workdir: str):
   setting). Returns (state, history): the logged train records, then one `eval/<setting>`
   record a setting. `data.source=files`: `run_files`."""
   check(config)
-  if config.data.source == "files":
+  if config.data.source in ("files", "judgements"):
     return run_files(config, workdir)
   fmt = tool_formats.get(config.data.chat_format)
   tok = fmt.tokenizer
@@ -413,7 +432,10 @@ def run_files(config: ml_collections.ConfigDict, workdir: str):
   mesh = sharding.make_mesh(config.mesh.to_dict())
   check_built(config, model.cfg, tok, mesh)
   patches = max(1, d.image_size // vision_data.PATCH_SIZE) ** 2
-  chats, held_out = chat_files.load(d, chat_files.Rendering(tok, d.thinking, d.max_length, patches))
+  if d.source == "judgements":
+    chats, held_out = judge_chats(d, tok, patches)
+  else:
+    chats, held_out = chat_files.load(d, chat_files.Rendering(tok, d.thinking, d.max_length, patches))
   rows = chat_rows.ChatRows(chats, held_out, length=d.max_length, batch=config.train.batch,
                             visual_batch=config.train.visual_batch, pad_id=tokenizer_lib.PAD_ID, cfg=model.cfg,
                             seed=config.train.seed)
@@ -444,13 +466,84 @@ def run_files(config: ml_collections.ConfigDict, workdir: str):
                                  tokens_per_step=rows.rows_per_step * rows.width, evaluate=evaluate)
     evaluations = [h for h in history if h["split"] == "eval"]
     end = evaluations[-1] if evaluations else evaluate(state)   # a resumed run already at train.steps
-  results = {"chats": len(chats), "held_out_chats": len(held_out),
-             "start": {k: start[k] for k in ("loss", "accuracy", "tokens")},
-             "end": {k: end[k] for k in ("loss", "accuracy", "tokens")}}
+    results = {"chats": len(chats), "held_out_chats": len(held_out),
+               "start": {k: start[k] for k in ("loss", "accuracy", "tokens")},
+               "end": {k: end[k] for k in ("loss", "accuracy", "tokens")}}
+    if d.source == "judgements":
+      results["judge"] = judge_agreement(config, model.cfg, state.params, tok, mesh)
+      for name, r in results["judge"].items():
+        trainer.writer.write(config.train.steps, r, f"eval/judge_{name}")
+        history.append({"split": f"eval/judge_{name}", "step": config.train.steps, **r})
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "sft_eval.json"), "w") as f:
       json.dump(results, f, indent=1)
-  print(f"\nSFT on {len(chats)} chats from data.files; {len(held_out)} held out ({results['end']['tokens']:.0f} "
+  if "judge" in results:
+    print_judge(results["judge"])
+  print(f"\nSFT on {len(chats)} chats from data.{d.source}; {len(held_out)} held out ({results['end']['tokens']:.0f} "
         f"assistant tokens):\n  held-out loss {results['start']['loss']:.4f} -> {results['end']['loss']:.4f}, "
         f"token accuracy {results['start']['accuracy']:.3f} -> {results['end']['accuracy']:.3f}")
   return state, history
+
+
+# -------------------------------------------------------------- a judge for the GRM reward
+def judge_check(config) -> None:
+  """data.source=judgements: no files; the judge's evaluation fields."""
+  d = config.data
+  for name in ("files", "eval_files"):
+    if d[name]:
+      raise ValueError(f"config: data.{name} is read with data.source='files'; data.source='judgements' makes its "
+                       "chats (configs/grm.py)")
+  if d.tokenizer != "bytes":
+    raise ValueError("config: data.source='judgements' renders over the byte tokenizer (data.tokenizer='bytes')")
+  if min(d.judgements, d.eval_judgements) < 1:
+    raise ValueError("config: data.judgements and data.eval_judgements must be >= 1")
+  grm.check(config.grm)
+  for name in config.eval.judge_samples.split(","):
+    if not name.strip().isdigit() or int(name) < 1:
+      raise ValueError(f"config: eval.judge_samples={config.eval.judge_samples!r}: comma-separated counts >= 1")
+
+
+def judge_chats(d, tok, patches: int) -> tuple[list[chat_files.Chat], list[chat_files.Chat]]:
+  """(training, held-out) judge chats of fresh scenes (`data.judgements`): d.judgements of
+  seed d.seed, d.eval_judgements of seed d.seed + 1."""
+  def made(n, seed):
+    out = []
+    for i, (ids, mask, media) in enumerate(judgements.chats(n, seed, tok, patches)):
+      if len(ids) > d.max_length:
+        raise ValueError(f"data.max_length={d.max_length}: a judge chat renders to {len(ids)} tokens")
+      out.append(chat_files.Chat(f"judgement {i}", np.asarray(ids, np.int32), np.asarray(mask, np.float32), (media,)))
+    return out
+  return made(d.judgements, d.seed), made(d.eval_judgements, d.seed + 1)
+
+
+def judge_agreement(config, model_cfg: K25Config, params, tok, mesh) -> dict[str, dict]:
+  """The trained judge against the hidden rubric on eval.judge_tasks held-out (image,
+  description) pairs (`grm.agreement`): greedy, and `samples` judgements at grm.temperature
+  for each count of eval.judge_samples."""
+  d, e = config.data, config.eval
+  tasks = descriptions.make_tasks(e.judge_tasks, e.seed)
+  rng = np.random.default_rng([e.seed, 7177])
+  responses = [judgements.description_to_judge(rng, t) for t in tasks]
+  truth = np.array([t.rubric(r) for t, r in zip(tasks, responses)])
+  patches = max(1, d.image_size // vision_data.PATCH_SIZE) ** 2
+  media = [vision_data.preprocess_image(t.image, max_patches=patches) for t in tasks]
+  saved = saved_model.SavedModel(model_cfg, params, tok, "workdir")
+  out = {}
+  settings = [("greedy", dict(samples=1, temperature=0.0))] + [
+      (f"samples_{n}", dict(samples=int(n))) for n in e.judge_samples.split(",")]
+  for name, overrides in settings:
+    section = ml_collections.ConfigDict(config.grm.to_dict())
+    section.update(overrides)
+    judged = grm.Judge(saved, section, mesh, seed=config.train.seed).judge(
+        [t.question for t in tasks], responses, media)
+    out[name] = grm.agreement(judged, truth)
+  return out
+
+
+def print_judge(results: dict[str, dict]) -> None:
+  print("\nThe judge against the hidden rubric (held-out descriptions):")
+  print(f"  {'setting':<12}{'spearman':>9}{'exact':>7}{'within 1':>9}{'mae':>7}{'unparsable':>11}")
+  for name, r in results.items():
+    print(f"  {name:<12}{r['spearman']:9.3f}{r['score_accuracy']:7.3f}{r['within_one']:9.3f}{r['mae']:7.3f}"
+          f"{r['unparsable_rate']:11.3f}")
+
