@@ -3,14 +3,16 @@ agreement with the hidden rubric), and joint RL rewards descriptions with that j
 the rule-rewarded tasks."""
 import json
 
+import ml_collections
 import numpy as np
 import pytest
 from config_files import load_config
 from test_stage_rl_vision import _small, _start
 
-from k25jax.data import descriptions
+from k25jax.data import descriptions, vision
 from k25jax.rl import grm
 from k25jax.stages import rl_vision, sft
+from k25jax.train import hf_export
 
 MICRO_JUDGE = dict(num_hidden_layers=1, hidden_size=32, q_lora_rank=16, kv_lora_rank=16, intermediate_size=64,
                    moe_intermediate_size=32, num_attention_heads=2, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
@@ -75,6 +77,18 @@ def test_a_judge_trained_here_rewards_descriptions_in_joint_rl(tmp_path):
   for row in results["judge"].values():
     assert -1 <= row["spearman"] <= 1 and 0 <= row["unparsable_rate"] <= 1 and row["judge_tokens"] > 0
   assert any(h["split"] == "eval/judge_greedy" for h in history)
+  # the judge as its Hugging Face export: the same prompts and, greedy, the same judgements
+  hf_export.export(str(tmp_path / "judge"), str(tmp_path / "judge_hf"))
+  tasks = descriptions.make_tasks(2, seed=5)
+  media = [vision.preprocess_image(t.image) for t in tasks]
+  greedy = dict(judge.grm.to_dict(), samples=1, temperature=0.0)
+  judges = [grm.Judge.load(ml_collections.ConfigDict(dict(greedy, checkpoint=str(tmp_path / where))))
+            for where in ("judge", "judge_hf")]
+  assert [j.prompt(tasks[0].question, "1 object: red circle top left", media[0]) for j in judges] == \
+      [judges[0].prompt(tasks[0].question, "1 object: red circle top left", media[0])] * 2
+  got = [j.judge([t.question for t in tasks], [t.answer for t in tasks], media) for j in judges]
+  assert got[0].tokens == got[1].tokens and got[0].unparsable == got[1].unparsable
+  np.testing.assert_array_equal(got[0].verdicts, got[1].verdicts)
 
   config = _small(load_config("configs/rl.py", "joint,describe"))
   config.task.kinds = "describe,count"     # iteration 0 draws tasks 12 and 10: descriptions
