@@ -20,10 +20,10 @@ from configs import common, sft
 def get_config(arg=None):
   common.preset_and_switches(arg, "configs/grm.py", ("tiny",))
   c = sft.get_config("tiny,files")
-  c.data.update(source="judgements", judgements=4000, eval_judgements=128, max_length=480)
+  c.data.update(source="judgements", judgements=12000, eval_judgements=128, max_length=480)
   c.train.update(steps=2000, visual_batch=16,   # every judge chat has an image: visual_batch rows a step
                  eval_every=250, log_every=50, checkpoint_every=500)
-  c.optimizer = common.optimizer_section(3e-3, 50, 1500, name="muonclip")
+  c.optimizer = common.optimizer_section(3e-3, 50, 1950, name="muonclip")
   c.grm = common.grm_section(samples=4)
   c.eval.update(judge_tasks=128, judge_samples="1,4,8")
   common.follow_the_run(c)

@@ -8,7 +8,7 @@ rubric it stands in for; tiny, on CPU.
     sft     configs/sft.py:tiny,describe, short: the policy that describes scenes some of the time
     rl/<reward>/seed<k>   configs/rl.py:joint,describe on descriptions alone from that one SFT
             start: reward `grm` (the judge's verdict) or `rubric` (the hidden truth itself,
-            the upper bound), the same seeds
+            the upper bound), the same seeds; the judge's reward is the mean of 4 judgements
 
 Along RL, per iteration: the judge's reward and the hidden rubric of the training episodes
 (their gap: hacking shows as a GRM reward that rises while the rubric does not), and at each
@@ -58,9 +58,9 @@ def sft_config(args):
 def rl_config(reward: str, seed: int, sft_dir: str, args):
   config = load("rl.py", "joint,describe", "rl", args, defaults=(
       "task.kinds=describe", f"rl.describe_reward={reward}", f"train.seed={seed}", "train.steps=30",
-      "train.eval_every=10", "train.checkpoint_every=30", "task.eval_prompts=32"))
+      "train.eval_every=10", "train.checkpoint_every=30", "task.eval_prompts=32", "grm.samples=4"))
   config.init.checkpoint = sft_dir
-  config.grm.checkpoint = args.judge
+  config.grm.checkpoint = args.judge if reward == "grm" else ""     # the rubric arm needs no judge
   return config
 
 

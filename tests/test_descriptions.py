@@ -76,3 +76,13 @@ def test_the_judge_chat_learns_only_the_judgement_after_the_prompt_the_grm_write
     assert media.num_tokens == ids.count(tok.special["<|media_pad|>"])
     learned = tok.decode(ids[first:])
     assert learned == d.critique(response, task.objects) + "<|im_end|>" and all(mask[first:])
+
+
+def test_a_guess_keeps_the_layout_and_redraws_what_the_objects_are():
+  rng = np.random.default_rng(0)
+  t = d.make_tasks(1, seed=2)[0]
+  assert d.guess(rng, t.objects, 0.0) == t.answer
+  for _ in range(20):
+    claimed = d.claims(d.guess(rng, t.objects, 1.0))
+    assert ("count", len(t.objects)) in claimed
+    assert {c[1] for c in claimed if c[0] == "colour"} == {o.quadrant for o in t.objects}

@@ -26,6 +26,11 @@ def test_the_verdict_ends_the_judgement(text, value):
   assert got == (None if value is None else pytest.approx(value))
 
 
+def test_a_verdict_pattern_of_the_users_whose_group_is_no_number_does_not_parse():
+  assert grm.parse_verdict("Verdict: good", re.compile(r"Verdict: (\w+)$"), 10) is None
+  assert grm.parse_verdict("Verdict: 3", re.compile(r"Verdict: (\w+)$"), 5) == pytest.approx(0.6)
+
+
 def test_samples_are_averaged_or_voted_unparsable_as_zero():
   v = np.array([[0.5, 0.5, np.nan, 0.9], [0.1, 0.9, np.nan, np.nan], [0.2, 0.4, 0.4, 0.2]])
   np.testing.assert_allclose(grm.aggregate(v, "mean"), [(0.5 + 0.5 + 0.9) / 4, 1.0 / 4, 0.3])

@@ -16,7 +16,8 @@ against; the policy never sees it):
     rubric = max(0, |C ∩ F| − |C \\ F|) / |F|        (1 for the true description, 0 if unparsable)
 
 `corrupt` makes wrong descriptions of a scene (a colour, a shape or a quadrant changed, an
-object left out or made up, the count wrong, or several of these), and `critique` the
+object left out or made up, the count wrong, or several of these), `guess` the descriptions
+of a model that sees where the objects are but not what they are, and `critique` the
 judgement a judge should write of any description: the errors in short, then the verdict
 `Score: k/10` with k = round(10 · rubric).
 """
@@ -188,6 +189,16 @@ def corrupt(rng: np.random.Generator, objects: tuple[SceneObject, ...], errors: 
     clauses, count = _corrupt_once(rng, clauses, count)
   clauses.sort(key=lambda o: synthetic.QUADRANTS.index(o.quadrant))
   return describe(tuple(clauses), count)
+
+
+def guess(rng: np.random.Generator, objects: tuple[SceneObject, ...], p: float) -> str:
+  """The description of a model that sees the layout but not the objects: the true count and
+  quadrants, each colour and each shape redrawn (uniformly, so it may stay right) with
+  probability p."""
+  guessed = tuple(SceneObject(str(rng.choice(list(synthetic.COLOURS))) if rng.random() < p else o.colour,
+                              str(rng.choice(synthetic.SHAPES)) if rng.random() < p else o.shape, o.quadrant)
+                  for o in objects)
+  return describe(guessed)
 
 
 def score_of(value: float) -> int:

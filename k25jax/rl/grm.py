@@ -57,14 +57,17 @@ def check(grm: ml_collections.ConfigDict) -> None:
 
 def parse_verdict(text: str | None, pattern: re.Pattern, max_score: int) -> float | None:
   """k / max_score where `pattern` (one group: k) matches the judgement's end; None when it
-  does not, or k > max_score."""
+  does not, or k is not a whole number in [0, max_score]."""
   if text is None:
     return None
   found = pattern.search(text.strip())
   if found is None:
     return None
-  k = int(found.group(1))
-  return k / max_score if k <= max_score else None
+  try:
+    k = int(found.group(1))
+  except (TypeError, ValueError):      # a user's pattern whose group caught no whole number
+    return None
+  return k / max_score if 0 <= k <= max_score else None
 
 
 def aggregate(verdicts: np.ndarray, how: str) -> np.ndarray:
