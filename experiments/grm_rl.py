@@ -7,8 +7,10 @@ rubric it stands in for; tiny, on CPU.
     judge   a workdir of configs/grm.py (the judge: SFT on judgements of descriptions), given
     sft     configs/sft.py:tiny,describe, short: the policy that describes scenes some of the time
     rl/<reward>/seed<k>   configs/rl.py:joint,describe on descriptions alone from that one SFT
-            start: reward `grm` (the judge's verdict) or `rubric` (the hidden truth itself,
-            the upper bound), the same seeds; the judge's reward is the mean of 4 judgements
+            start, 40 iterations of 16 prompts × 8 samples at lr 5e-5 (the preset's 2e-4 lowered
+            the held-out rubric even with the rubric as the reward): reward `grm` (the judge's
+            verdict, the mean of 4 judgements) or `rubric` (the hidden truth itself, the upper
+            bound), the same seeds
 
 Along RL, per iteration: the judge's reward and the hidden rubric of the training episodes
 (their gap: hacking shows as a GRM reward that rises while the rubric does not), and at each
@@ -32,20 +34,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
 from k25jax.stages import rl_vision, sft  # noqa: E402
-from k25jax.train import config_utils  # noqa: E402
+from zero_vision import load  # noqa: E402  (a stage's config with its --set overrides)
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 REWARDS = ("grm", "rubric")
 RUBRIC = "visual_description/rubric"
 GREEDY_RUBRIC = "greedy_visual_description/rubric"
-
-
-def load(path: str, arg: str, stage: str, args, defaults: tuple[str, ...] = ()):
-  """The stage's config with `defaults` (field=value) applied, then the --set overrides of `stage`."""
-  config = config_utils.load_config_file(os.path.join(ROOT, "configs", path), arg)
-  overrides = [s.split(".", 1)[1] for s in args.set if s.split(".", 1)[0] == stage]
-  config_utils.apply_overrides(config, [*defaults, *overrides])
-  return config
 
 
 def sft_config(args):
@@ -57,8 +51,9 @@ def sft_config(args):
 
 def rl_config(reward: str, seed: int, sft_dir: str, args):
   config = load("rl.py", "joint,describe", "rl", args, defaults=(
-      "task.kinds=describe", f"rl.describe_reward={reward}", f"train.seed={seed}", "train.steps=30",
-      "train.eval_every=10", "train.checkpoint_every=30", "task.eval_prompts=32", "grm.samples=4"))
+      "task.kinds=describe", f"rl.describe_reward={reward}", f"train.seed={seed}", "train.steps=40",
+      "train.eval_every=20", "train.checkpoint_every=40", "task.eval_prompts=32", "rl.prompts_per_iteration=16",
+      "optimizer.lr=5e-5", "grm.samples=4"))
   config.init.checkpoint = sft_dir
   config.grm.checkpoint = args.judge if reward == "grm" else ""     # the rubric arm needs no judge
   return config
@@ -171,8 +166,8 @@ def main():
             f"{row['final_greedy_rubric']['mean']:.3f} ± {row['final_greedy_rubric']['se']:.3f}")
     if "train_gap_last_quarter" in row:
       line += (f"   last quarter: judge {row['train_grm_reward_last_quarter']['mean']:.3f} vs rubric "
-               f"{row['train_rubric_last_quarter']['mean']:.3f}; judge {100 * row['judge_share_of_iteration']['mean']:.0f}%"
-               " of an iteration")
+               f"{row['train_rubric_last_quarter']['mean']:.3f}; judge "
+               f"{100 * row['judge_share_of_iteration']['mean']:.0f}% of an iteration")
     print(line)
 
 

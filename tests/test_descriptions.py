@@ -58,7 +58,8 @@ def test_the_critique_names_the_errors():
   assert d.critique(d.describe(TWO), TWO) == "correct.\nScore: 10/10"
   text = "3 objects: green circle top left, blue square top right"
   # true: circle@top left; false: count 3, green@top left, blue@top right, square@top right -> max(0, 1 - 4) = 0
-  assert d.critique(text, TWO) == "wrong: count 3, green top left, blue square top right; missed: bottom right.\nScore: 0/10"
+  assert d.critique(text, TWO) == ("wrong: count 3, green top left, blue square top right; missed: bottom right."
+                                   "\nScore: 0/10")
   assert d.critique("red circle top left", TWO) == "no count.\nScore: 0/10"
   assert d.score_of(0.25) == 3 and d.score_of(0.249) == 2 and d.score_of(1.0) == 10
 

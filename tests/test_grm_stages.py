@@ -15,7 +15,8 @@ from k25jax.stages import rl_vision, sft
 from k25jax.train import hf_export
 
 MICRO_JUDGE = dict(num_hidden_layers=1, hidden_size=32, q_lora_rank=16, kv_lora_rank=16, intermediate_size=64,
-                   moe_intermediate_size=32, num_attention_heads=2, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+                   moe_intermediate_size=32, num_attention_heads=2, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                   v_head_dim=8)
 
 
 class _Judge:

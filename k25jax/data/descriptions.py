@@ -217,7 +217,8 @@ def critique(description: str | None, objects: tuple[SceneObject, ...]) -> str:
   wrong = [f"count {n}" for kind, n, *_ in false if kind == "count"]
   wrong += ["unreadable clause" for c in false if c[0] == "unreadable"][:1]
   for quadrant in synthetic.QUADRANTS:     # the false words of the clauses at each quadrant
-    said = {kind: value for kind, where, value in (c for c in false if c[0] in ("colour", "shape")) if where == quadrant}
+    said = {kind: value for kind, where, value in (c for c in false if c[0] in ("colour", "shape"))
+            if where == quadrant}
     if said:
       wrong.append(" ".join([said[k] for k in ("colour", "shape") if k in said] + [quadrant]))
   missed = [o.quadrant for o in objects

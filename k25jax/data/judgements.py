@@ -29,7 +29,8 @@ def messages(question: str, response: str, image_tokens: int | None = None, refe
   """The judge's prompt as chat messages: an empty system turn, then the user's turn with the
   image block first (`image_tokens` placeholders) when there is one."""
   text = f"Task: {question}\nResponse: {response}\n" + (f"Reference: {reference}\n" if reference else "") + INSTRUCTION
-  content = text if image_tokens is None else [{"type": "image", "tokens": image_tokens}, {"type": "text", "text": text}]
+  content = text if image_tokens is None else [{"type": "image", "tokens": image_tokens},
+                                               {"type": "text", "text": text}]
   return [chat.EMPTY_SYSTEM, {"role": "user", "content": content}]
 
 

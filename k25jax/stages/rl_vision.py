@@ -2,7 +2,8 @@
 with or without the Python tool.
 
 Per iteration i, for P tasks x of `task.kinds` (image tasks: counting, locating, comparing,
-reading, `k25jax.data.image_tasks`; text tasks: 2-digit addition, `tasks.ArithmeticTask`), or
+reading, `k25jax.data.image_tasks`; open descriptions of scenes, `k25jax.data.descriptions`;
+text tasks: 2-digit addition, `tasks.ArithmeticTask`), or
 of the user's prompt files (`task.files`: a prompt, an optional image, a verifier)
 and K episodes each (`k25jax.rl.driver` does the rest):
 
@@ -12,7 +13,9 @@ and K episodes each (`k25jax.rl.driver` does the rest):
                (`rl.tool`), the model's code runs in a sandbox session holding the task's
                images; without it, a call gets an error observation and the model must answer itself
     r_j      = task.reward(answer_j)                       (1[correct]: exact answer; addition: any correct
-               form; a record of the user's files, `task.files`: its verifier's score, k25jax/rl/prompt_files.py)
+               form; a record of the user's files, `task.files`: its verifier's score, k25jax/rl/prompt_files.py;
+               a description: the GRM's verdict on it, `k25jax.rl.grm`, or with rl.describe_reward=rubric
+               its hidden rubric; all of an iteration's descriptions judged in one batch)
     r_j     ← r_j · 1[acc(x) < λ  or  |y_j| ≤ budget(x)]   with Toggle (`toggle.enabled`), in phase 0
                (`k25jax.rl.toggle`; |y_j| the episode's generated tokens, budgets from the start)
     A_j      = r_j − mean_k r_k,  θ ← θ − η ∇ L_K2.5(θ)  over the generated tokens only (tool
@@ -21,8 +24,9 @@ and K episodes each (`k25jax.rl.driver` does the rest):
                the sampler may draw
 
 The tasks are grouped by ability, not modality (`tasks.ABILITIES`: arithmetic,
-visual_counting, visual_reading, visual_spatial); accuracy and generated length are logged
-per ability, in training and in the held-out evaluation. The start is a K2.5 checkpoint
+visual_counting, visual_reading, visual_spatial, visual_description); accuracy and generated
+length are logged per ability, in training and in the held-out evaluation (descriptions: the
+hidden rubric too, and in training the judge's reward beside it, `describe_rewards`). The start is a K2.5 checkpoint
 (`init.checkpoint`): the zero-vision SFT's, a text+vision SFT's, or joint pre-training's
 (no SFT). Held-out evaluation: sampled accuracy (the training temperature,
 `rl.eval_samples` per task) and greedy accuracy, with the tool-call success rate and calls
