@@ -214,8 +214,9 @@ def grm_section(**overrides) -> ml_collections.ConfigDict:
   HF folder of a K2.5 model speaking Kimi K2.5's chat format; '' = none), its sampling, the
   verdict grammar (one group: k of k/max_score at the judgement's end), and how `samples`
   judgements of a response make its reward (mean | vote); `reference`: the true answer is in
-  the judge's prompt."""
-  c = ml_collections.ConfigDict(dict(checkpoint="", samples=1, temperature=1.0, max_new_tokens=96,
+  the judge's prompt. `max_new_tokens`: configs/grm.py's judgements run to 179 tokens (96 cut
+  12% of them short: unparsable)."""
+  c = ml_collections.ConfigDict(dict(checkpoint="", samples=1, temperature=1.0, max_new_tokens=192,
                                      verdict=r"Score:\s*(\d+)\s*/\s*10\s*$", max_score=10, aggregate="mean",
                                      reference=False))
   c.update(overrides)
