@@ -74,7 +74,7 @@ def test_every_response_and_sample_goes_through_one_decode_on_the_mesh_with_its_
   """The judge's real decode (prefill with the images, params replicated on the run's mesh),
   its generated tokens then replaced by scripted judgements, parsed and aggregated."""
   saved = _tiny_judge()
-  tasks = descriptions.make_tasks(3, seed=0)
+  tasks = descriptions.make_tasks(4, seed=0)
   media = [vision.preprocess_image(t.image) for t in tasks]
   verdicts = ["correct.\nScore: 10/10", "wrong: count 3.\nScore: 4/10", "no verdict"]
   calls = []
@@ -95,14 +95,15 @@ def test_every_response_and_sample_goes_through_one_decode_on_the_mesh_with_its_
   mesh = jax.make_mesh((len(jax.devices()),), ("data",))
   judge = grm.Judge(saved, common.grm_section(samples=2, max_new_tokens=32), mesh)
   assert judge.params["language_model"]["embed_tokens"]["embedding"].sharding.mesh.size == len(jax.devices())
-  got = judge.judge([t.question for t in tasks], ["1 object: red circle top left", None, "x"], media)
+  got = judge.judge([t.question for t in tasks], ["1 object: red circle top left", None, "x", "y" * 500], media)
   (contexts, out), = calls
   assert len(contexts) == 6 and out["lengths"].min() > 0        # 3 responses x 2 samples, one batch
+  assert got.too_long == 1 and got.texts[3] == [None, None]     # 500 bytes leave no room to judge: not decoded
   expected = chat.render_ids(saved.tokenizer, judgements.messages(tasks[1].question, "", media[1].num_tokens),
                              add_generation_prompt=True)[0]
   assert contexts[2] == contexts[3] == expected                 # None judged as an empty response
-  np.testing.assert_allclose(got.rewards, [1.0, 0.4, 0.0])
-  assert got.unparsable == 2 and got.verdicts.shape == (3, 2) and got.texts[1] == [verdicts[1]] * 2
+  np.testing.assert_allclose(got.rewards, [1.0, 0.4, 0.0, 0.0])
+  assert got.unparsable == 4 and got.verdicts.shape == (4, 2) and got.texts[1] == [verdicts[1]] * 2
 
 
 def test_the_judge_must_read_images_in_the_k25_format():

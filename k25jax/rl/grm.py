@@ -85,14 +85,16 @@ def aggregate(verdicts: np.ndarray, how: str) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class Judgements:
   """A batch's judgements: `rewards` [n], `verdicts` [n, samples] (NaN where unparsable),
-  the judges' texts, the count of unparsable ones, the judge's wall time and generated tokens."""
+  the judges' texts (None: not judged), the count of unparsable verdicts, the judge's wall
+  time and generated tokens, and the responses too long to judge."""
 
   rewards: np.ndarray
   verdicts: np.ndarray
-  texts: list[list[str]]
+  texts: list[list[str | None]]
   unparsable: int
   seconds: float
   tokens: int
+  too_long: int = 0
 
 
 class Judge:
@@ -127,22 +129,29 @@ class Judge:
   def judge(self, questions: Sequence[str], responses: Sequence[str | None],
             media: Sequence[vision_data.Media | None], references: Sequence[str | None] | None = None) -> Judgements:
     """Every response judged `samples` times in one decode (module docstring). A response of
-    None (the policy wrote no answer) is judged as an empty response."""
+    None (the policy wrote no answer) is judged as an empty response; one whose prompt leaves
+    the judge fewer than `max_new_tokens` positions is not judged: its verdicts are
+    unparsable (a reward of 0, counted in `too_long`)."""
     start = time.perf_counter()
     s = self.grm.samples
     references = references if references is not None else [None] * len(questions)
     prompts = [self.prompt(q, r or "", m, ref) for q, r, m, ref in zip(questions, responses, media, references)]
-    rows = [i for i in range(len(prompts)) for _ in range(s)]
-    self.rng, key = jax.random.split(self.rng)
-    out = decode.decode(self.cfg.text, self.params[k25.LANGUAGE_MODEL], [prompts[i] for i in rows], key, self.sampling,
-                        width_multiple=WIDTH_MULTIPLE,
-                        media_for=media_rows.rows_media(self.cfg, self.params, [media[i] for i in rows]))
-    texts = [self.format.reply(tokens).text for tokens, _ in decode.turns(out)]
-    parsed = [parse_verdict(t, self.pattern, self.grm.max_score) for t in texts]
-    verdicts = np.array([np.nan if v is None else v for v in parsed], np.float64).reshape(len(prompts), s)
-    return Judgements(aggregate(verdicts, self.grm.aggregate), verdicts,
-                      [texts[i * s:(i + 1) * s] for i in range(len(prompts))], int(np.isnan(verdicts).sum()),
-                      time.perf_counter() - start, int(out["lengths"].sum()))
+    room = self.cfg.text.max_position_embeddings - self.grm.max_new_tokens
+    judged = [i for i, p in enumerate(prompts) if len(p) <= room]
+    rows = [i for i in judged for _ in range(s)]
+    texts, tokens = [[None] * s for _ in prompts], 0
+    if rows:
+      self.rng, key = jax.random.split(self.rng)
+      out = decode.decode(self.cfg.text, self.params[k25.LANGUAGE_MODEL], [prompts[i] for i in rows], key,
+                          self.sampling, width_multiple=WIDTH_MULTIPLE,
+                          media_for=media_rows.rows_media(self.cfg, self.params, [media[i] for i in rows]))
+      for k, (i, (ids, _)) in enumerate(zip(rows, decode.turns(out))):
+        texts[i][k % s] = self.format.reply(ids).text
+      tokens = int(out["lengths"].sum())
+    verdicts = np.array([[np.nan if v is None else v for v in (parse_verdict(t, self.pattern, self.grm.max_score)
+                                                                for t in row)] for row in texts], np.float64)
+    return Judgements(aggregate(verdicts, self.grm.aggregate), verdicts, texts, int(np.isnan(verdicts).sum()),
+                      time.perf_counter() - start, tokens, len(prompts) - len(judged))
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:

@@ -145,7 +145,8 @@ def describe_rewards(config, judge: grm.Judge | None, episodes: TaskSplit, trans
   rubric = reward[rows]
   metrics = {"visual_description/grm_reward": float(judged.rewards.mean()),
              "visual_description/gap": float((judged.rewards - rubric).mean()),
-             "grm_unparsable": judged.unparsable / judged.verdicts.size, "grm_s": judged.seconds,
+             "grm_unparsable": judged.unparsable / judged.verdicts.size, "grm_too_long": judged.too_long / len(rows),
+             "grm_s": judged.seconds,
              "grm_tokens": float(judged.tokens)}
   if config.rl.describe_reward == "grm":
     reward = reward.copy()
