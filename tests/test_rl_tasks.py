@@ -202,7 +202,8 @@ def test_arithmetic_chat_task_grades_every_correct_form_and_has_no_image():
 
 
 def test_every_task_kind_has_an_ability():
-  assert set(tasks.ABILITIES) == {"addition", *image_tasks.KINDS, "file"}   # file: rl_vision records of prompt files
+  # file: rl_vision records of prompt files; describe: the descriptions a GRM judges (data/descriptions.py)
+  assert set(tasks.ABILITIES) == {"addition", *image_tasks.KINDS, "describe", "file"}
 
 
 def test_unknown_rendering_is_refused():
