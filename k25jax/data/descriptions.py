@@ -129,10 +129,7 @@ def draw(rng: np.random.Generator) -> tuple[np.ndarray, tuple[SceneObject, ...]]
   n = int(rng.integers(1, MAX_OBJECTS + 1))
   objects = []
   for q in sorted(rng.choice(4, size=n, replace=False)):
-    shape, colour = synthetic.SHAPES[rng.integers(len(synthetic.SHAPES))], list(synthetic.COLOURS)[rng.integers(4)]
-    size = int(rng.integers(12, 19))
-    center = (14 + 28 * (q // 2) + rng.uniform(-3, 3), 14 + 28 * (q % 2) + rng.uniform(-3, 3))
-    synthetic.paint(image, synthetic.shape_mask(shape, size, center, image.shape[:2]), colour, rng)
+    shape, colour = synthetic.draw_in_quadrant(image, q, rng)
     objects.append(SceneObject(colour, shape, synthetic.QUADRANTS[q]))
   return image, tuple(objects)
 

@@ -114,15 +114,22 @@ def draw_text(image: np.ndarray, text: str, top: int, left: int, scale: int, ink
 
 
 # ----------------------------------------------------------------------------- tasks
+def draw_in_quadrant(image: np.ndarray, q: int, rng: np.random.Generator) -> tuple[str, str]:
+  """A random shape of a random colour, 12–18 px, near the centre of quadrant q of a SIDE×SIDE
+  image (±3 px); returns (shape, colour)."""
+  shape, colour = SHAPES[rng.integers(len(SHAPES))], list(COLOURS)[rng.integers(len(COLOURS))]
+  size = int(rng.integers(12, 19))
+  center = (14 + 28 * (q // 2) + rng.uniform(-3, 3), 14 + 28 * (q % 2) + rng.uniform(-3, 3))
+  paint(image, shape_mask(shape, size, center, image.shape[:2]), colour, rng)
+  return shape, colour
+
+
 def caption(rng: np.random.Generator) -> Example:
   image = background(rng, (SIDE, SIDE))
   quadrants = sorted(rng.choice(4, size=rng.integers(1, 3), replace=False))
   parts = []
   for q in quadrants:
-    shape, colour = SHAPES[rng.integers(len(SHAPES))], list(COLOURS)[rng.integers(len(COLOURS))]
-    size = int(rng.integers(12, 19))
-    center = (14 + 28 * (q // 2) + rng.uniform(-3, 3), 14 + 28 * (q % 2) + rng.uniform(-3, 3))
-    paint(image, shape_mask(shape, size, center, image.shape[:2]), colour, rng)
+    shape, colour = draw_in_quadrant(image, q, rng)
     parts.append(f"{colour} {shape} {QUADRANTS[q]}")
   return Example("caption", image[None], "caption:", ", ".join(parts))
 

@@ -84,10 +84,8 @@ def visual_examples(config, fmt) -> tuple[dict[str, np.ndarray], list[vision_dat
   """data.visual_examples image + question → direct answer conversations (tasks of another
   seed than the trajectories'), right-padded to the longest, and their images."""
   d = config.data
-  tasks = image_tasks.make_tasks(d.visual_examples, d.seed + 7919, d.image_size, kinds(config))
-  items = [vision_data.preprocess_image(t.image) for t in tasks]
-  rendered = [fmt.trajectory(t.question, [], t.answer, media=m) for t, m in zip(tasks, items)]
-  return packing.right_padded(rendered, max(len(ids) for ids, _ in rendered), fmt.pad_id), items
+  return answered_directly(image_tasks.make_tasks(d.visual_examples, d.seed + 7919, d.image_size, kinds(config)),
+                           fmt)
 
 
 def describe_examples(config, fmt) -> tuple[dict[str, np.ndarray], list[vision_data.Media]]:
@@ -95,7 +93,12 @@ def describe_examples(config, fmt) -> tuple[dict[str, np.ndarray], list[vision_d
   of seed data.seed + DESCRIBE_SEED_OFFSET, `descriptions`), right-padded to the longest, and
   their images: the description ability that joint RL with a GRM starts from."""
   d = config.data
-  tasks = descriptions.make_tasks(d.describe_examples, d.seed + DESCRIBE_SEED_OFFSET)
+  return answered_directly(descriptions.make_tasks(d.describe_examples, d.seed + DESCRIBE_SEED_OFFSET), fmt)
+
+
+def answered_directly(tasks, fmt) -> tuple[dict[str, np.ndarray], list[vision_data.Media]]:
+  """Each task's image + question → its answer, no tool call, in the tool format `fmt`,
+  right-padded to the longest; and the images."""
   items = [vision_data.preprocess_image(t.image) for t in tasks]
   rendered = [fmt.trajectory(t.question, [], t.answer, media=m) for t, m in zip(tasks, items)]
   return packing.right_padded(rendered, max(len(ids) for ids, _ in rendered), fmt.pad_id), items
@@ -184,8 +187,8 @@ def vision_replay(config, fmt) -> tuple[dict[str, np.ndarray], list[vision_data.
 
 def image_rows(config, fmt) -> tuple[dict[str, np.ndarray], list[vision_data.Media]] | None:
   """The conversations with an image (visual SFT examples, description examples, then vision
-  replay samples), right-
-  padded to the longest of them, and their images; None when there are none."""
+  replay samples), right-padded to the longest of them, and their images; None when there are
+  none."""
   parts = ([visual_examples(config, fmt)] if config.data.visual_sft else []) + (
       [describe_examples(config, fmt)] if config.data.describe_examples else []) + (
       [vision_replay(config, fmt)] if config.data.vision_replay else [])
@@ -470,7 +473,7 @@ def run_files(config: ml_collections.ConfigDict, workdir: str):
                "start": {k: start[k] for k in ("loss", "accuracy", "tokens")},
                "end": {k: end[k] for k in ("loss", "accuracy", "tokens")}}
     if d.source == "judgements":
-      results["judge"] = judge_agreement(config, model.cfg, state.params, tok, mesh)
+      results["judge"] = judge_agreement(config, model.cfg, state.params, tok, mesh, patches)
       for name, r in results["judge"].items():
         trainer.writer.write(config.train.steps, r, f"eval/judge_{name}")
         history.append({"split": f"eval/judge_{name}", "step": config.train.steps, **r})
@@ -516,27 +519,26 @@ def judge_chats(d, tok, patches: int) -> tuple[list[chat_files.Chat], list[chat_
   return made(d.judgements, d.seed), made(d.eval_judgements, d.seed + 1)
 
 
-def judge_agreement(config, model_cfg: K25Config, params, tok, mesh) -> dict[str, dict]:
+def judge_agreement(config, model_cfg: K25Config, params, tok, mesh, patches: int) -> dict[str, dict]:
   """The trained judge against the hidden rubric on eval.judge_tasks held-out (image,
-  description) pairs (`grm.agreement`): greedy, and `samples` judgements at grm.temperature
-  for each count of eval.judge_samples."""
-  d, e = config.data, config.eval
+  description) pairs (`grm.agreement`), their images at most `patches` patches: greedy, and
+  `samples` judgements at grm.temperature for each count of eval.judge_samples."""
+  e = config.eval
   tasks = descriptions.make_tasks(e.judge_tasks, e.seed)
   rng = np.random.default_rng([e.seed, 7177])
   responses = [judgements.description_to_judge(rng, t) for t in tasks]
   truth = np.array([t.rubric(r) for t, r in zip(tasks, responses)])
-  patches = max(1, d.image_size // vision_data.PATCH_SIZE) ** 2
   media = [vision_data.preprocess_image(t.image, max_patches=patches) for t in tasks]
-  saved = saved_model.SavedModel(model_cfg, params, tok, "workdir")
+  replicated = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  saved = saved_model.SavedModel(model_cfg, replicated, tok, "workdir")   # placed once for every setting
   out = {}
   settings = [("greedy", dict(samples=1, temperature=0.0))] + [
       (f"samples_{n}", dict(samples=int(n))) for n in e.judge_samples.split(",")]
   for name, overrides in settings:
     section = ml_collections.ConfigDict(config.grm.to_dict())
     section.update(overrides)
-    judged = grm.Judge(saved, section, mesh, seed=config.train.seed).judge(
-        [t.question for t in tasks], responses, media)
-    out[name] = grm.agreement(judged, truth)
+    judged = grm.Judge(saved, section, seed=config.train.seed).judge([t.question for t in tasks], responses, media)
+    out[name] = grm.agreement(judged, truth, section.max_score)
   return out
 
 
