@@ -15,22 +15,18 @@ measured one notebook at a time, CPU-s at level 1 -> 0: parl 111 -> 122, fusion_
 83 -> 70, rl_losses 60 -> 41, quickstart 43 -> 41, toggle 9 -> 10), one
 workdir for the session, shared as on a Colab runtime (the RL notebooks share one SFT
 warm start through it), and the test session's jax cache (conftest.py's), which the setup
-cell keeps: parl.ipynb's smoke run and the PARL main command (the last test here) compile
-the same programs, and the command, run after the notebooks, loads them. Most of a smoke run is
+cell keeps. Most of a smoke run is
 XLA compilation, which is single-threaded, so two kernels run at a time (longest first)
 to keep both CPU cores busy.
 """
 import asyncio
 import glob
-import json
 import os
 import re
-import subprocess
-import sys
 
 import nbformat
 import pytest
-from cpu_env import subprocess_env, xla_flags
+from cpu_env import xla_flags
 from nbclient import NotebookClient
 
 COLAB = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "colab"))
@@ -118,31 +114,3 @@ def test_runs_top_to_bottom_and_plots_inline(name, executed):
     raise nb                                   # a CellExecutionError names the cell and its traceback
   images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
   assert images, f"{name} shows no inline plot"
-
-
-@pytest.mark.slow
-def test_main_command_runs_parl_at_the_notebooks_smoke_sizes_and_prints_the_summary(executed, tmp_path):
-  """README's first command (configs/parl.py) end to end at colab/parl.ipynb's smoke sizes. It
-  runs here, after the notebooks (`executed`) and in their xdist worker, so it loads the
-  programs parl.ipynb's smoke run compiled into the session's jax cache."""
-  overrides = ["--config.warm_start.steps=10", "--config.warm_start.demonstrations=100",   # colab/parl.ipynb's smoke
-               "--config.warm_start.batch=32", "--config.warm_start.optimizer.warmup_steps=2",
-               "--config.warm_start.optimizer.decay_steps=4", "--config.train.steps=2",
-               "--config.rl.prompts_per_iteration=2", "--config.rl.num_generations=2", "--config.train.eval_every=2",
-               "--config.parl.eval_tasks=2", "--config.parl.anneal_steps=1", "--config.optimizer.warmup_steps=1",
-               "--config.parl.subagent_turn_tokens=24", "--config.train.log_every=1", "--config.train.checkpoint_every=2",
-               "--config.warm_start.checkpoint_every=10"]
-  out = subprocess.run([sys.executable, "-m", "k25jax.main", "--config=configs/parl.py", f"--workdir={tmp_path}",
-                        *overrides], cwd=os.path.dirname(COLAB), env=subprocess_env(), capture_output=True, text=True,
-                       timeout=900)
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert "PARL summary" in out.stdout
-  for policy in ("swarm (trained), sampled", "single agent (warm start), greedy"):
-    assert policy in out.stdout
-  curves = json.loads((tmp_path / "parl_curves.json").read_text())
-  train = [row for row in curves if row["split"] == "train"]
-  assert [row["iteration"] for row in train] == [1, 2]
-  assert all(0.0 <= row["item_f1"] <= 1.0 and row["critical_steps"] <= 10 for row in train)   # budgets 3-10
-  final = curves[-1]["rows"]
-  assert final["single agent (warm start), greedy"]["num_created"] == 0.0
-  assert (tmp_path / "checkpoints").is_dir() and (tmp_path / "tensorboard").is_dir()

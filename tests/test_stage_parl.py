@@ -1,6 +1,6 @@
-"""The PARL stage's config checks, its warm start, and a run stopped by SIGTERM at three
-moments of its iterations that ends as the uninterrupted run (the main command end to end
-runs in tests/test_notebooks.py, after parl.ipynb, whose compiled programs it loads)."""
+"""The PARL stage's config checks, its warm start, and README's first command end to end,
+then the same run stopped by SIGTERM at three moments of its iterations, whose rerun ends as
+the command's uninterrupted run."""
 import json
 import os
 import shutil
@@ -84,58 +84,66 @@ def test_the_warm_start_after_init_fine_tunes_the_given_params(tmp_path):
 # resumes at iteration s sends its signal in iteration s+1's rollouts, or in its save of 4:
 # the last iteration's, so the fourth run resumes with no iteration left, only the final table.
 STOPS = (("mid_evaluation", 1), ("mid_step", 2), ("mid_save", 4))
+# README's first command at about colab/parl.ipynb's smoke sizes, four PARL iterations (DSL
+# rendering): 2 tasks x 2 episodes an iteration, 2 held-out tasks, an evaluation and a checkpoint
+# every 2; a 40-step warm start (the smoke run's 10 steps score 0 on every episode, so no update
+# would have an advantage to carry).
+MAIN_OVERRIDES = ("warm_start.steps=40", "warm_start.demonstrations=320", "warm_start.batch=32",
+                  "warm_start.checkpoint_every=40", "warm_start.optimizer.warmup_steps=2",
+                  "warm_start.optimizer.decay_steps=30", "rl.prompts_per_iteration=2", "rl.num_generations=2",
+                  "parl.eval_tasks=2", "parl.subagent_turn_tokens=24", "train.steps=4", "train.eval_every=2",
+                  "train.checkpoint_every=2", "train.log_every=1")
 
 
-def _preemption_config():
-  """Four PARL iterations (DSL rendering) at about colab/parl.ipynb's smoke sizes: 2 tasks x 2
-  episodes an iteration, 2 held-out tasks, an evaluation and a checkpoint every 2; a 40-step
-  warm start (the smoke run's 10 steps score 0 on every episode, so no update would have an
-  advantage to carry)."""
-  from configs import parl as parl_config
-  config = parl_config.get_config("tiny")
-  config.warm_start.update(steps=40, demonstrations=320, batch=32, checkpoint_every=40)
-  config.warm_start.optimizer.update(warmup_steps=2, decay_steps=30)
-  config.rl.update(prompts_per_iteration=2, num_generations=2)
-  config.parl.update(eval_tasks=2, subagent_turn_tokens=24)
-  config.train.update(steps=4, eval_every=2, checkpoint_every=2, log_every=1)
+def _main_config():
+  """The config `python -m k25jax.main --config=configs/parl.py` builds with `MAIN_OVERRIDES`."""
+  from k25jax.train import config_utils
+  config = config_utils.load_config_file(os.path.join(CHECKOUT, "configs", "parl.py"))
+  config_utils.apply_overrides(config, list(MAIN_OVERRIDES))
   return config
 
 
-def _flat_state(state) -> dict[str, np.ndarray]:
+def _final_state(workdir: str) -> dict[str, np.ndarray]:
+  """Every leaf of the state in the run's newest checkpoint by key path, restored onto one device."""
   import jax
-  leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(state))
-  return {jax.tree_util.keystr(path): np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(
-      getattr(x, "dtype", None), jax.dtypes.prng_key) else x) for path, x in leaves}
+  import orbax.checkpoint as ocp
+  directory = os.path.join(workdir, "checkpoints")
+  path = os.path.join(directory, str(max(int(name) for name in os.listdir(directory) if name.isdigit())), "state")
+  saved = ocp.PyTreeCheckpointer().metadata(path).item_metadata
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved,
+                        is_leaf=lambda m: hasattr(m, "shape"))
+  state = jax.device_get(ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
+      restore_args=jax.tree.map(lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding), target))))
+  return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(state)}
 
 
-def _run_both(root: str) -> None:
-  """Under `root`: the uninterrupted run (root/uninterrupted) and the same command stopped at
-  each of `STOPS` and rerun (root/stopped, from the uninterrupted run's warm start, as a
-  rerun of the command finds it: a stop inside a warm start is the supervised loop's, tested
-  in test_train_e2e.py). Writes each run's final state (NAME.npz), its final table and the
-  steps the stops reported (runs.json)."""
+def _stop_and_rerun(root: str) -> None:
+  """Under `root`: the main command's run stopped at each of `STOPS` and rerun (root/stopped,
+  from the uninterrupted run's warm start, as a rerun of the command finds it: a stop inside a
+  warm start is the supervised loop's, tested in test_train_e2e.py). Writes the steps the
+  stops reported, the iterations the last rerun ran and its final table (runs.json), and both
+  runs' final checkpointed states (NAME.npz)."""
   from k25jax.stages import parl
   from k25jax.train import preemption
   out = {"stops": []}
-  state, history = parl.run(_preemption_config(), os.path.join(root, "uninterrupted"))
-  np.savez(os.path.join(root, "uninterrupted.npz"), **_flat_state(state))
-  out["uninterrupted"] = history[-1]
   stopped = os.path.join(root, "stopped")
   shutil.copytree(os.path.join(root, "uninterrupted", "warm_start"), os.path.join(stopped, "warm_start"))
   for moment, _ in STOPS:
     with pytest.MonkeyPatch.context() as monkeypatch:
       expected = sigterm.during_rl_iterations(monkeypatch, moment, dict(STOPS)[moment])
       try:
-        parl.run(_preemption_config(), stopped)
+        parl.run(_main_config(), stopped)
         out["stops"].append([moment, expected, None])
       except preemption.Preempted as e:
         out["stops"].append([moment, expected, e.step])
-  state, history = parl.run(_preemption_config(), stopped)
-  np.savez(os.path.join(root, "stopped.npz"), **_flat_state(state))
+  _, history = parl.run(_main_config(), stopped)
   out["stopped"] = history[-1]
   out["rerun_iterations"] = [h["iteration"] for h in history if h["split"] != "final"]
   with open(os.path.join(root, "runs.json"), "w") as f:
     json.dump(out, f)
+  for name in ("uninterrupted", "stopped"):
+    np.savez(os.path.join(root, f"{name}.npz"), **_final_state(os.path.join(root, name)))
 
 
 def _scalars(workdir) -> dict[str, list]:
@@ -148,32 +156,46 @@ def _scalars(workdir) -> dict[str, list]:
 
 
 @pytest.mark.slow
-def test_sigterm_at_three_moments_then_the_rerun_ends_as_the_uninterrupted_run(tmp_path):
-  """One workdir stopped three times (`STOPS`: in the evaluation at iteration 0, in iteration
-  2's rollouts, twice in the save of the last iteration), each stop after the iteration in
-  flight and its save, then rerun to the end: its final state is bitwise the uninterrupted
-  run's (params, optimizer, rng, counters), and so is every number the four runs logged and
-  the final table (wall-clock entries aside). Both runs go in a one-device process at LLVM's
-  quickest level (cpu_env.COMPILE_BOUND_FLAGS), as the recipe chain does."""
-  out = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, timeout=900,
-                       env=subprocess_env(compile_bound=True, PYTHONPATH=CHECKOUT))
+def test_the_main_command_runs_and_stopped_at_three_moments_its_rerun_ends_as_the_uninterrupted_run(tmp_path):
+  """README's first command end to end (`MAIN_OVERRIDES`: its summary, curves, checkpoints and
+  tensorboard), then the same run stopped three times (`STOPS`: in the evaluation at iteration
+  0, in iteration 2's rollouts, twice in the save of the last iteration), each stop after the
+  iteration in flight and its save, then rerun to the end: its final state is bitwise the
+  command's (params, optimizer, rng, counters), and so is every number the runs logged and the
+  final table (wall-clock entries aside). Both processes compile at LLVM's quickest level
+  (cpu_env.COMPILE_BOUND_FLAGS) on one device, the second loading the first's programs from the
+  session's jax cache."""
+  env = subprocess_env(compile_bound=True, PYTHONPATH=CHECKOUT)
+  command = subprocess.run([sys.executable, "-m", "k25jax.main", "--config=configs/parl.py",
+                            f"--workdir={tmp_path / 'uninterrupted'}", *(f"--config.{o}" for o in MAIN_OVERRIDES)],
+                           cwd=CHECKOUT, env=env, capture_output=True, text=True, timeout=900)
+  assert command.returncode == 0, command.stderr[-3000:]
+  assert "PARL summary" in command.stdout
+  for policy in ("swarm (trained), sampled", "single agent (warm start), greedy"):
+    assert policy in command.stdout
+  curves = json.loads((tmp_path / "uninterrupted" / "parl_curves.json").read_text())
+  train = [row for row in curves if row["split"] == "train"]
+  assert [row["iteration"] for row in train] == [1, 2, 3, 4]
+  assert all(0.0 <= row["item_f1"] <= 1.0 and row["critical_steps"] <= 10 for row in train)   # budgets 3-10
+  assert curves[-1]["rows"]["single agent (warm start), greedy"]["num_created"] == 0.0
+  assert (tmp_path / "uninterrupted" / "checkpoints").is_dir() and (tmp_path / "uninterrupted" / "tensorboard").is_dir()
+
+  out = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, timeout=900, env=env)
   assert out.returncode == 0, out.stderr[-3000:]
   runs = json.loads((tmp_path / "runs.json").read_text())
   assert [(moment, stop) for moment, _, stop in runs["stops"]] == [(m, at) for m, at in STOPS]
   assert all(expected == stop for _, expected, stop in runs["stops"])
   assert runs["rerun_iterations"] == []      # the stop in the last save left only the final table
   uninterrupted, stopped = np.load(tmp_path / "uninterrupted.npz"), np.load(tmp_path / "stopped.npz")
-  assert sorted(uninterrupted) == sorted(stopped)
+  assert sorted(uninterrupted) == sorted(stopped) and any("params" in key for key in uninterrupted)
   for key in uninterrupted:
     np.testing.assert_array_equal(stopped[key], uninterrupted[key], err_msg=key)
   logged = _scalars(tmp_path / "uninterrupted")
   assert {"train/reward", "train/loss", "eval/item_f1"} <= set(logged)
   assert [step for step, _ in logged["train/reward"]] == [1, 2, 3, 4] and any(r > 0 for _, r in logged["train/reward"])
   assert _scalars(tmp_path / "stopped") == logged
-  assert sigterm.untimed([runs["stopped"]]) == sigterm.untimed([runs["uninterrupted"]])
+  assert sigterm.untimed([runs["stopped"]]) == sigterm.untimed([curves[-1]])
 
 
-if __name__ == "__main__":     # the two runs, for the test
-  import jax
-  jax.config.update("jax_default_matmul_precision", "highest")
-  _run_both(sys.argv[1])
+if __name__ == "__main__":     # ROOT: the stopped runs, for the test (at the main command's default precision)
+  _stop_and_rerun(sys.argv[1])
