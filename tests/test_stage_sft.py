@@ -1,4 +1,5 @@
-"""The SFT stage: visual batches line up with their images; a short run trains, evaluates and resumes."""
+"""The SFT stage: visual batches line up with their images; a short run (with arithmetic) trains,
+evaluates on held-out sums and resumes."""
 import json
 import os
 
@@ -49,15 +50,18 @@ def test_visual_rows_carry_their_images_in_placeholder_order():
 
 
 @pytest.mark.slow
-def test_short_run_trains_evaluates_and_resumes(tmp_path):
-  config = _small(load_config("configs/sft.py"))
+def test_short_run_with_arithmetic_trains_evaluates_held_out_sums_and_resumes(tmp_path):
+  config = _small(load_config("configs/sft.py", "tiny,arithmetic"))
+  config.data.arithmetic_examples = 32
   state, history = sft.run(config, str(tmp_path))
   assert [h["step"] for h in history if h["split"] == "train"] == [1, 4, 8, 12]
-  evals = [h for h in history if h["split"].startswith("eval/")]
-  assert [h["split"] for h in evals] == ["eval/text_tool"]
-  assert all(0.0 <= r["accuracy"] <= 1.0 and r["turns_per_episode"] >= 1 for r in evals)
+  evals = {h["split"]: h for h in history if h["split"].startswith("eval/")}
+  assert sorted(evals) == ["eval/arithmetic", "eval/text_tool"]
+  assert 0.0 <= evals["eval/text_tool"]["accuracy"] <= 1.0 and evals["eval/text_tool"]["turns_per_episode"] >= 1
+  assert 0.0 <= evals["eval/arithmetic"]["accuracy"] <= 1.0 and "addition/accuracy" in evals["eval/arithmetic"]
   with open(tmp_path / "sft_eval.json") as f:
-    assert json.load(f) == {"text_tool": {k: v for k, v in evals[0].items() if k not in ("split", "step")}}
+    assert json.load(f) == {split[len("eval/"):]: {k: v for k, v in h.items() if k not in ("split", "step")}
+                            for split, h in evals.items()}
   data_files = [f for f in os.listdir(tmp_path) if f.startswith("sft_data_")]
   assert len(data_files) == 1 and os.path.exists(tmp_path / "sft_eval.json")
   stamp = os.path.getmtime(tmp_path / data_files[0])
@@ -87,19 +91,6 @@ def test_arithmetic_examples_are_chat_sums_and_held_out_sums_are_unseen():
   seen = set(zip(sums["a"].tolist(), sums["b"].tolist()))
   held_out = sft.held_out_arithmetic(config, seen)
   assert len(held_out) == config.eval.tasks and not {(t.a, t.b) for t in held_out} & seen
-
-
-@pytest.mark.slow
-def test_run_with_arithmetic_evaluates_held_out_sums(tmp_path):
-  config = _small(load_config("configs/sft.py", "tiny,arithmetic"))
-  config.data.arithmetic_examples = 32
-  config.train.update(steps=2, checkpoint_every=2)
-  config.optimizer.update(warmup_steps=1, decay_steps=1)
-  sft.run(config, str(tmp_path))
-  with open(tmp_path / "sft_eval.json") as f:
-    results = json.load(f)
-  assert set(results) == {"text_tool", "arithmetic"}
-  assert 0.0 <= results["arithmetic"]["accuracy"] <= 1.0 and "addition/accuracy" in results["arithmetic"]
 
 
 def test_text_replay_rows_are_pre_training_text_with_the_loss_on_every_token():
