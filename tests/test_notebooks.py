@@ -15,9 +15,9 @@ measured one notebook at a time, CPU-s at level 1 -> 0: parl 111 -> 122, fusion_
 83 -> 70, rl_losses 60 -> 41, quickstart 43 -> 41, toggle 9 -> 10), one
 workdir for the session, shared as on a Colab runtime (the RL notebooks share one SFT
 warm start through it), and the test session's jax cache (conftest.py's), which the setup
-cell keeps. Most of a smoke run is
-XLA compilation, which is single-threaded, so two kernels run at a time (longest first)
-to keep both CPU cores busy.
+cell keeps. Most of a smoke run is XLA compilation, which is single-threaded, so two kernels
+run at a time (longest first) to keep both CPU cores busy. (README's PARL command runs in
+tests/test_stage_parl.py, as the preemption test's uninterrupted run.)
 """
 import asyncio
 import glob
