@@ -33,7 +33,7 @@ from k25jax.data import chat, chat_formats, judgements, vision as vision_data
 from k25jax.model import k25
 from k25jax.model.config import K25Config
 from k25jax.rl import decode, media_rows, sampler
-from k25jax.train import saved_model
+from k25jax.train import saved_model, sharding
 
 AGGREGATES = ("mean", "vote")
 WIDTH_MULTIPLE = 64     # judge prompts are padded to a multiple of this (few sampler shapes)
@@ -109,8 +109,7 @@ class Judge:
       raise ValueError(f"grm.checkpoint: the judge speaks the {self.format.name!r} chat format; it must speak "
                        "Kimi K2.5's (configs/grm.py trains one)")
     self.cfg, self.grm = saved.cfg, grm
-    self.params = saved.params if mesh is None else jax.device_put(
-        saved.params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    self.params = saved.params if mesh is None else jax.device_put(saved.params, sharding.replicated(mesh))
     self.pattern = re.compile(grm.verdict)
     self.sampling = sampler.SamplingConfig(max_new_tokens=grm.max_new_tokens, temperature=grm.temperature,
                                            stop_tokens=self.format.stop_ids)

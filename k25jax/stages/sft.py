@@ -529,7 +529,7 @@ def judge_agreement(config, model_cfg: K25Config, params, tok, mesh, patches: in
   responses = [judgements.description_to_judge(rng, t) for t in tasks]
   truth = np.array([t.rubric(r) for t, r in zip(tasks, responses)])
   media = [vision_data.preprocess_image(t.image, max_patches=patches) for t in tasks]
-  replicated = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  replicated = jax.device_put(params, sharding.replicated(mesh))
   saved = saved_model.SavedModel(model_cfg, replicated, tok, "workdir")   # placed once for every setting
   out = {}
   settings = [("greedy", dict(samples=1, temperature=0.0))] + [
