@@ -23,6 +23,7 @@ import sys
 
 import numpy as np
 import pytest
+import saved_states
 from cpu_env import free_port, xla_flags
 
 MICRO_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -130,17 +131,8 @@ def runs(tmp_path_factory):
 
 def final_params(workdir: str) -> dict[str, np.ndarray]:
   """The params of the run's newest checkpoint by path, restored onto one device whatever mesh saved them."""
-  import jax
-  import orbax.checkpoint as ocp
   from k25jax.train import checkpoint
-  directory = os.path.join(workdir, "checkpoints")
-  step = max(int(name) for name in os.listdir(directory) if name.isdigit())
-  saved = ocp.PyTreeCheckpointer().metadata(os.path.join(directory, str(step), "state")).item_metadata["params"]
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved,
-                        is_leaf=lambda m: hasattr(m, "shape"))
-  params = jax.device_get(checkpoint.restore_params(workdir, target))
-  return {jax.tree_util.keystr(path): np.asarray(x) for path, x in jax.tree_util.tree_leaves_with_path(params)}
+  return saved_states.by_key_path(checkpoint.restore_params(workdir, saved_states.one_device_target(workdir)["params"]))
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+import saved_states
 import sigterm
 from cpu_env import subprocess_env
 
@@ -107,15 +108,11 @@ def _final_state(workdir: str) -> dict[str, np.ndarray]:
   """Every leaf of the state in the run's newest checkpoint by key path, restored onto one device."""
   import jax
   import orbax.checkpoint as ocp
-  directory = os.path.join(workdir, "checkpoints")
-  path = os.path.join(directory, str(max(int(name) for name in os.listdir(directory) if name.isdigit())), "state")
-  saved = ocp.PyTreeCheckpointer().metadata(path).item_metadata
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved,
-                        is_leaf=lambda m: hasattr(m, "shape"))
-  state = jax.device_get(ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
-      restore_args=jax.tree.map(lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding), target))))
-  return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(state)}
+  target = saved_states.one_device_target(workdir)
+  return saved_states.by_key_path(ocp.PyTreeCheckpointer().restore(
+      saved_states.newest_state_dir(workdir),
+      args=ocp.args.PyTreeRestore(restore_args=jax.tree.map(lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding),
+                                                            target))))
 
 
 def _stop_and_rerun(root: str) -> None:
