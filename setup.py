@@ -49,5 +49,7 @@ setup(
         # libtpu at jax's version: TPU runs, and compiling a pod's train step from a CPU
         # (experiments/aot_compile.py).
         "tpu": ["jax[tpu]>=0.10.2"],
+        # TRL's GRPOTrainer, the peer of experiments/bench_rl.py (with the dev extra's torch).
+        "bench": ["trl==1.16.0"],
     },
 )
