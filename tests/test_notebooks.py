@@ -15,8 +15,10 @@ measured one notebook at a time, CPU-s at level 1 -> 0: parl 111 -> 122, fusion_
 83 -> 70, rl_losses 60 -> 41, quickstart 43 -> 41, toggle 9 -> 10), one
 workdir for the session, shared as on a Colab runtime (the RL notebooks share one SFT
 warm start through it), and the test session's jax cache (conftest.py's), which the setup
-cell keeps. Most of a smoke run is XLA compilation, which is single-threaded, so two kernels
-run at a time (longest first) to keep both CPU cores busy. (README's PARL command runs in
+cell keeps. One kernel runs at a time (longest first): the suite's other xdist worker keeps
+the second core busy, and two kernels beside it put three busy processes on two cores (the
+whole suite, 1,528 s and 2,980 CPU-s with two kernels at a time, 1,335 s and 2,603 CPU-s with
+one, the same tests on the same day: docs/performance.md). (README's PARL command runs in
 tests/test_stage_parl.py, as the preemption test's uninterrupted run.)
 """
 import asyncio
@@ -33,7 +35,7 @@ COLAB = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__))
 NAMES = sorted(os.path.basename(p) for p in glob.glob(os.path.join(COLAB, "*.ipynb")))
 RUN_BOUND = ("parl.ipynb",)      # the notebooks compiled at level 1; the others at level 0
 LONGEST_FIRST = ("parl.ipynb", "fusion_and_muonclip.ipynb", "rl_losses.ipynb", "quickstart.ipynb", "toggle.ipynb")
-KERNELS_AT_ONCE = 2
+KERNELS_AT_ONCE = 1
 CELL_TIMEOUT_S = 900
 COMMITTED_PRESET = re.compile(r'^PRESET = "tiny"', re.MULTILINE)   # the parameters cell's first line
 
