@@ -23,10 +23,10 @@ Per iteration each side reports its wall time and its split: rollout (sampling t
 responses; on k25jax's side also laying them out as loss rows, TRL does that in its update),
 scoring (the reward), old log-probs (a forward pass TRL runs because the batch serves two
 updates; k25jax records π_old while sampling) and update (the rest: the losses, backward
-passes and optimizer steps; k25jax's wall time is its rollout plus its updates as the stage's
-driver times them), and rollout tokens/s (generated tokens, the stop token
+passes, optimizer steps and each loop's bookkeeping: an iteration's wall time runs from one
+rollout's start to the next on both sides), and rollout tokens/s (generated tokens, the stop token
 included, over the rollout time). The first iteration (compilation on k25jax's side) is left
-out of the medians. After `--iterations` iterations both final policies are evaluated by the
+out of the medians, and so is k25jax's last (no next rollout ends it). After `--iterations` iterations both final policies are evaluated by the
 same code, k25jax's `rl.evaluate` (TRL's saved folder loaded with `hf.load`): held-out sampled
 accuracy (2 samples a prompt at T = 1) and greedy accuracy on the 256 held-out prompts.
 
@@ -99,13 +99,15 @@ def held_out(config, params) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- k25jax
-def run_k25jax(iterations: int, start: str, folder: str) -> dict:
-  """`rl.run` from the warm start; per iteration its rollout (with the grading timed apart) and update."""
+def run_k25jax(iterations: int, start: str) -> dict:
+  """`rl.run` from the warm start. Iteration i's wall time runs from its rollout's start to the
+  next one's (the last iteration, which also holds the final evaluation, has none); its
+  rollout is the driver's `sample_s` less the grading (timed apart), its update the rest."""
   from k25jax.stages import rl
   config = rl_config(iterations)
   config.init.checkpoint = start
-  grading, tokens = [], []
-  grade = rl.AdditionTask.grade
+  grading, tokens, starts = [], [], []
+  grade, collector = rl.AdditionTask.grade, rl.collector
 
   def timed_grade(self, split, rows, completions):
     t = time.perf_counter()
@@ -114,16 +116,24 @@ def run_k25jax(iterations: int, start: str, folder: str) -> dict:
     tokens.append(float(out["length"].sum()))      # generated tokens, the stop token included
     return out
 
-  rl.AdditionTask.grade = timed_grade
+  def timed_collector(*args, **kwargs):
+    collect = collector(*args, **kwargs)
+
+    def timed_collect(params, it):
+      starts.append(time.perf_counter())
+      return collect(params, it)
+    return timed_collect
+
+  rl.AdditionTask.grade, rl.collector = timed_grade, timed_collector
   with tempfile.TemporaryDirectory() as workdir, interleave.LoadMeter() as load:
     _, history = rl.run(config, workdir)
   train = [h for h in history if h["split"] == "train"]
   evals = [h for h in history if h["split"] == "eval"]
   # grading calls: 2 per evaluation (sampled, greedy), then one per iteration
   iteration_calls = slice(2, 2 + iterations)
-  rows = [{"wall_s": h["sample_s"] + h["train_s"], "rollout_s": h["sample_s"] - g, "scoring_s": g,
-           "old_logprobs_s": 0.0, "update_s": h["train_s"], "generated_tokens": n}
-          for h, g, n in zip(train, grading[iteration_calls], tokens[iteration_calls])]
+  rows = [{"wall_s": wall, "rollout_s": h["sample_s"] - g, "scoring_s": g, "old_logprobs_s": 0.0,
+           "update_s": wall - h["sample_s"], "generated_tokens": n}
+          for wall, h, g, n in zip(np.diff(starts), train, grading[iteration_calls], tokens[iteration_calls])]
   return {"iterations": rows, "start": _eval_row(evals[0]), "end": _eval_row(evals[-1]), "other_cores": load.other_cores}
 
 
@@ -132,7 +142,7 @@ def _eval_row(h: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- TRL
-def run_trl(iterations: int, start: str, folder: str) -> dict:
+def run_trl(iterations: int, folder: str) -> dict:
   """GRPOTrainer from the warm start's folder; per iteration (two optimizer steps) its wall time and split."""
   import datasets
   import torch
@@ -217,8 +227,7 @@ def run_trl(iterations: int, start: str, folder: str) -> dict:
   walls = np.diff([begin] + ends)
   rows = []
   for i, wall in enumerate(walls):
-    split = {name: timings[name][i] if i < len(timings[name]) else 0.0 for name in ("rollout_s", "scoring_s",
-                                                                                    "old_logprobs_s")}
+    split = {name: timings[name][i] for name in ("rollout_s", "scoring_s", "old_logprobs_s")}
     rows.append({"wall_s": float(wall), **split, "update_s": float(wall) - sum(split.values()),
                  "generated_tokens": timings["generated_tokens"][i]})
   start_eval = held_out(config, hf.load(folder)[1])
@@ -263,7 +272,8 @@ def print_table(summary: dict) -> None:
 
 
 def child(args) -> None:
-  result = {"k25jax": run_k25jax, "trl": run_trl}[args.side](args.iterations, args.start, args.folder)
+  result = (run_k25jax(args.iterations, args.start) if args.side == "k25jax" else
+            run_trl(args.iterations, args.folder))
   with open(args.one, "w") as f:
     json.dump(result, f)
 
@@ -281,8 +291,9 @@ def main() -> None:
   args = parser.parse_args()
   if args.one:
     return child(args)
-  if args.iterations < 2:
-    parser.error("--iterations must be at least 2 (the first is left out of the medians)")
+  if args.iterations < 3:
+    parser.error("--iterations must be at least 3 (the first is left out of the medians, and k25jax's last has "
+                 "no next rollout to end its wall time)")
   start, folder = prepare(args.workdir)
   runs = {side: [] for side in SIDES}
   with tempfile.TemporaryDirectory() as tmp:
