@@ -15,7 +15,7 @@ Layouts (episodes × sub-agents per episode; the DSL names S1..S8, at most 8 per
 
 Per layout, in the same run and interleaved:
 * batched:   `swarm.Swarm` plays all the layout's episodes at once; every tick decodes all
-             waiting sub-agent turns in one sampler call (rows padded to ≥ 8, a power of two).
+             waiting sub-agent turns in one sampler call (rows and length padded to `decode.bucket`s).
 * unbatched: `widesearch.run_episode` plays the episodes one after another and every
              sub-agent turn is decoded alone (batch 1, the same length buckets).
 Timed as the median of `--runs` runs after one warm-up run (which compiles every shape),
@@ -44,7 +44,7 @@ import numpy as np
 import interleave  # experiments/interleave.py, beside this script
 from k25jax.agents import dsl, swarm, widesearch
 from k25jax.model import transformer
-from k25jax.rl import sampler
+from k25jax.rl import decode, sampler
 from k25jax.stages import parl
 from k25jax.train import config_utils
 
@@ -65,11 +65,6 @@ def subagent_params(config, model_cfg, workdir: str | None):
   return jax.device_get(parl.frozen_subagents(config, workdir)), path
 
 
-def bucket_length(n: int, multiple: int = 16) -> int:
-  """The context widths the swarm compiles for (a multiple of 16), so both drivers see the same shapes."""
-  return -(-n // multiple) * multiple
-
-
 class AloneDecoder:
   """A sub-agent whose every turn is one sampler call on one row (the unbatched peer)."""
 
@@ -84,7 +79,7 @@ class AloneDecoder:
     if len(context) > limit:          # as the swarm does: an empty turn, the env truncates
       self.overflows += 1
       return []
-    prompts = np.full((1, min(bucket_length(len(context)), limit)), p.sampling.pad_id, np.int32)
+    prompts = np.full((1, min(decode.bucket(len(context), swarm.MIN_WIDTH), limit)), p.sampling.pad_id, np.int32)
     prompts[0, :len(context)] = context
     out = jax.device_get(sampler.generate(p.cfg, p.params, prompts, np.array([len(context)], np.int32),
                                           jax.random.PRNGKey(0), p.sampling))

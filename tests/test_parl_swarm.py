@@ -36,18 +36,28 @@ def test_batched_swarm_decodes_like_each_episode_alone(setup):
 
 
 def test_sixteen_subagents_cost_about_one_device_call_per_stage(setup):
-  """A scripted orchestrator spawns k sub-agents per episode; the frozen model decodes them in batches."""
+  """A scripted orchestrator spawns k sub-agents per episode; the frozen model decodes them in
+  batches: one call per sub-agent step of the stage, or (CPU's default) one per 32 of its rows,
+  shortest contexts first, with the same turns."""
   config, model_cfg, params = setup
   policies = parl.policies(config, model_cfg, params, params, greedy=True)
   tasks = widesearch.sample_tasks(16, seed=0, n_range=(8, 8))
   # The orchestrators are scripted (k = 8 sub-agents each), the sub-agents are the model.
-  runtime = swarm.Swarm({"orch": widesearch.ScriptedOrchestrator(8), "sub": policies["sub"]})
-  results = runtime.run([widesearch.Episode(t, budget=4) for t in tasks])
+  runs = {}
+  for max_rows in (None, 1024):
+    runtime = swarm.Swarm({"orch": widesearch.ScriptedOrchestrator(8), "sub": policies["sub"]}, max_rows=max_rows)
+    runs[max_rows] = runtime, runtime.run([widesearch.Episode(t, budget=4) for t in tasks])
+  runtime, results = runs[1024]
   spawned = sum(r.num_created for r in results)
   assert spawned == 16 * 8
   assert runtime.decoded_rows["sub"] >= spawned
   # one call per sub-agent step of the stage (budget 4 → at most 2 steps + the answer turn)
   assert runtime.device_calls["sub"] <= 3
+  chunked, chunked_results = runs[None]
+  assert chunked.max_rows == swarm.CPU_MAX_ROWS == 32
+  assert chunked.decoded_rows["sub"] == runtime.decoded_rows["sub"]
+  assert chunked.device_calls["sub"] <= 3 * 128 // 32
+  assert _texts(chunked_results) == _texts(results)
 
 
 def test_only_orchestrator_generated_tokens_carry_loss():

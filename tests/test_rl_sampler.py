@@ -64,6 +64,28 @@ def test_top_k_one_is_greedy_and_sampling_is_seeded(params):
   np.testing.assert_array_equal(a["tokens"], b["tokens"])
 
 
+def test_greedy_sampled_and_banned_decodes_share_one_program(params):
+  """Temperature and bans enter as values (`sampler.Knobs`): three decodes of one shape, one
+  compile. Banned ids never come out, and a banned decode's log-prob is log softmax(z / T) of
+  the logits with the banned ids at −inf."""
+  before = sampler.compiled_programs()
+  greedy, sampled, banned = (
+      sampler.generate(CFG, params, PROMPTS, LENGTHS, jax.random.PRNGKey(5), sampler.SamplingConfig(
+          max_new_tokens=5, temperature=t, banned_tokens=ban))
+      for t, ban in ((0.0, ()), (1.0, ()), (0.7, tuple(range(0, CFG.vocab_size, 2)))))
+  assert sampler.compiled_programs() == before + 1
+  assert np.all(np.asarray(banned["tokens"]) % 2 == 1)
+  assert not np.array_equal(greedy["tokens"], sampled["tokens"])
+  logits, _ = transformer.Transformer(CFG).apply({"params": params}, jnp.asarray(PROMPTS))
+  first = logits[np.arange(len(PROMPTS)), LENGTHS - 1]                     # each row's first step
+  z = jnp.where(jnp.arange(CFG.vocab_size) % 2 == 0, -jnp.inf, first) / 0.7
+  want = jnp.take_along_axis(jax.nn.log_softmax(z), jnp.asarray(banned["tokens"])[:, :1], axis=-1)[:, 0]
+  np.testing.assert_allclose(np.asarray(banned["logprobs"])[:, 0], want, atol=1e-5)
+  with pytest.raises(ValueError, match="outside the vocabulary of 128"):
+    sampler.generate(CFG, params, PROMPTS, LENGTHS, jax.random.PRNGKey(0),
+                     sampler.SamplingConfig(max_new_tokens=5, banned_tokens=(3, 128)))
+
+
 def test_truncate_logits_top_p():
   logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
   kept = np.isfinite(np.asarray(sampler.truncate_logits(logits, 0, 0.75)))

@@ -1,16 +1,19 @@
-"""The asyncio swarm runtime: many episodes, every agent a coroutine, one device call per tick.
+"""The asyncio swarm runtime: many episodes, every agent a coroutine, batched device calls per tick.
 
 Each episode is a coroutine that asks its environment (`widesearch.Episode`) which agents
 need a turn — the orchestrator, or the sub-agents of the current stage — and runs one
 coroutine per agent turn. An agent's coroutine hands its context to the `Swarm`'s
 decoder and awaits the generated turn. When every agent in flight is waiting, the
-scheduler flushes: all waiting contexts of one role are decoded in ONE batched sampler
-call (sub-agents share the frozen params, the orchestrator uses the trainable ones), so
-16 sub-agents cost about as many device calls as one agent.
+scheduler flushes: all waiting contexts of one role are decoded together in batched
+sampler calls (sub-agents share the frozen params, the orchestrator uses the trainable
+ones), so 16 sub-agents cost about as many device calls as one agent.
 
-Batches are padded to a few bucket shapes (`k25jax.rl.decode`: rows to a power of two of
-at least 16, context length to a multiple of 64) so the sampler compiles once per bucket,
-not once per tick. A context too long for the model gets an
+A role's waiting contexts are sorted by length and decoded in calls of at most `max_rows`
+rows: on CPU 32 (a row costs about the same there in a batch of 16 as of 1,024, and short
+contexts then share a call instead of padding to the longest of the tick), on an
+accelerator, where a batch costs about one row, all in one call. Each call is padded to a
+few bucket shapes (`k25jax.rl.decode`: rows and context length each to a power of two of
+at least 16) so the sampler compiles once per bucket, not once per tick. A context too long for the model gets an
 empty turn (the environment treats it as truncated) and is counted in `overflows`.
 """
 from __future__ import annotations
@@ -37,16 +40,20 @@ class Policy:
   sampling: sampler.SamplingConfig
 
 
-# Decode batches are padded to few shapes (each a ~3 s sampler compile on 2 CPU cores):
-CONTEXT_MULTIPLE = 64   # contexts to a multiple of this many tokens (`decode.decode`)
-MIN_ROWS = 16           # rows to a power of two, at least this many
+# Decode batches are padded to few shapes (each a ~2 s sampler compile on 2 CPU cores):
+MIN_WIDTH = 16      # contexts to a power of two of at least this many tokens (`decode.decode`)
+MIN_ROWS = 16       # rows to a power of two, at least this many
+CPU_MAX_ROWS = 32   # the rows of one sampler call on CPU (`Swarm.max_rows`)
 
 
 class Swarm:
-  """Runs batches of episodes with one batched decode per role per tick."""
+  """Runs batches of episodes with batched decodes per role per tick."""
 
-  def __init__(self, policies: Mapping[str, Policy | Callable[[Sequence[int]], Sequence[int]]], seed: int = 0):
+  def __init__(self, policies: Mapping[str, Policy | Callable[[Sequence[int]], Sequence[int]]], seed: int = 0,
+               max_rows: int | None = None):
+    """`max_rows`: the rows of one sampler call (default `CPU_MAX_ROWS` on CPU, unlimited elsewhere)."""
     self.policies = dict(policies)
+    self.max_rows = max_rows or (CPU_MAX_ROWS if jax.default_backend() == "cpu" else None)
     self.rng = jax.random.PRNGKey(seed)
     self.device_calls = collections.Counter()   # sampler calls per role
     self.decoded_rows = collections.Counter()   # agent turns per role
@@ -74,8 +81,8 @@ class Swarm:
   # ----------------------------------------------------------------- device side
   def _decode(self, role: str, requests: Sequence[widesearch.Request],
               renderings: Sequence[widesearch.Rendering]) -> list[tuple[list[int], list[float]]]:
-    """One sampler call for the contexts of all `requests` of `role`; returns each row's
-    (tokens, logprobs).
+    """The contexts of all `requests` of `role`, shortest first, in sampler calls of at most
+    `max_rows` rows; returns each request's (tokens, logprobs).
 
     A role may also be played by a plain function DSL context → DSL turn (a scripted
     policy, for tests): it is called per row on the request's `protocol`, its turn is
@@ -84,16 +91,24 @@ class Swarm:
     if callable(policy):
       turns = [r.turn(list(policy(q.protocol))) for q, r in zip(requests, renderings)]
       return [(t, [0.0] * len(t)) for t in turns]
-    contexts = [q.context for q in requests]
     limit = policy.cfg.max_position_embeddings - policy.sampling.max_new_tokens
-    fits = [len(c) <= limit for c in contexts]
+    fits = [len(q.context) <= limit for q in requests]
+    contexts = [q.context if ok else q.context[:1] for q, ok in zip(requests, fits)]
     self.overflows += fits.count(False)
-    self.rng, key = jax.random.split(self.rng)
-    out = decode.decode(policy.cfg, policy.params, [c if ok else c[:1] for c, ok in zip(contexts, fits)], key,
-                        policy.sampling, width_multiple=CONTEXT_MULTIPLE, min_rows=MIN_ROWS)
-    self.device_calls[role] += 1
+    order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))
+    per_call = self.max_rows or len(order)
+    turns = [([], [])] * len(contexts)
+    for start in range(0, len(order), per_call):
+      rows = order[start:start + per_call]
+      self.rng, key = jax.random.split(self.rng)
+      out = decode.decode(policy.cfg, policy.params, [contexts[i] for i in rows], key, policy.sampling,
+                          min_width=MIN_WIDTH, min_rows=MIN_ROWS)
+      for i, turn in zip(rows, decode.turns(out)):
+        if fits[i]:
+          turns[i] = turn
+      self.device_calls[role] += 1
     self.decoded_rows[role] += len(contexts)
-    return [turn if ok else ([], []) for turn, ok in zip(decode.turns(out), fits)]
+    return turns
 
   def _flush(self) -> None:
     pending, self._pending = self._pending, []

@@ -17,6 +17,8 @@ The recorded log-prob is log softmax(logits / T)[token] for temperature T > 0 (t
 top-p truncation is a sampling device and is not renormalised into it), and
 log softmax(logits)[token] for greedy decoding (T = 0): the π_old of the RL loss.
 `banned_tokens` are removed from the distribution before sampling and scoring.
+The temperature and the banned tokens enter the compiled program as values (`Knobs`), not
+as its shape: greedy, sampled and banned decodes of one batch shape share one program.
 
 Several processes (jax.distributed): every process calls `generate` with the same prompts,
 key and media mask; they enter as arrays replicated over the params' mesh, so the processes
@@ -58,6 +60,11 @@ class SamplingConfig:
     if self.top_k < 0:
       raise ValueError(f"SamplingConfig.top_k must be >= 0, got {self.top_k}")
 
+  @property
+  def program(self) -> "SamplingConfig":
+    """What the compiled sampler depends on: this config less its `Knobs` (temperature, bans)."""
+    return dataclasses.replace(self, temperature=1.0, banned_tokens=())
+
 
 def truncate_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
   """Sets to −inf the logits outside the top-k, then outside the smallest top-p nucleus."""
@@ -74,19 +81,41 @@ def truncate_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
   return logits
 
 
-def sample_token(logits: jax.Array, rng: jax.Array, sampling: SamplingConfig) -> tuple[jax.Array, jax.Array]:
-  """logits [b, vocab] → (token [b] int32, log-prob [b] float32)."""
-  logits = logits.astype(jnp.float32)
-  if sampling.banned_tokens:
-    logits = logits.at[:, jnp.asarray(sampling.banned_tokens)].set(-jnp.inf)
-  if sampling.temperature == 0:
-    token = losses.first_argmax(logits)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-  else:
-    scaled = logits / sampling.temperature
-    token = jax.random.categorical(rng, truncate_logits(scaled, sampling.top_k, sampling.top_p), axis=-1)
-    logp = jax.nn.log_softmax(scaled, axis=-1)
-  return token.astype(jnp.int32), jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+@dataclasses.dataclass(frozen=True)
+class Knobs:
+  """A SamplingConfig's temperature and banned tokens as arrays: what the compiled sampler
+  reads at run time (`SamplingConfig.program` is the rest, its compile-time shape)."""
+
+  temperature: jax.Array   # [] float32; 0 = greedy
+  ban: jax.Array           # [vocab] float32: −inf at banned ids, 0 elsewhere
+
+  @classmethod
+  def of(cls, sampling: SamplingConfig, vocab_size: int) -> "Knobs":
+    outside = [t for t in sampling.banned_tokens if not 0 <= t < vocab_size]
+    if outside:
+      raise ValueError(f"SamplingConfig.banned_tokens {outside} lie outside the vocabulary of {vocab_size} ids")
+    ban = np.zeros(vocab_size, np.float32)
+    ban[list(sampling.banned_tokens)] = -np.inf
+    return cls(np.float32(sampling.temperature), ban)
+
+
+jax.tree_util.register_dataclass(Knobs, data_fields=["temperature", "ban"], meta_fields=[])
+
+
+def sample_token(logits: jax.Array, rng: jax.Array, sampling: SamplingConfig, knobs: Knobs
+                 ) -> tuple[jax.Array, jax.Array]:
+  """logits [b, vocab] → (token [b] int32, log-prob [b] float32), with z = logits + ban:
+
+      T > 0:  token ~ softmax(truncate(z / T)),   log-prob = log softmax(z / T)[token]
+      T = 0:  token = argmax z (lowest index),    log-prob = log softmax(z)[token]
+  """
+  logits = logits.astype(jnp.float32) + knobs.ban
+  greedy = knobs.temperature == 0
+  scaled = logits / jnp.where(greedy, 1.0, knobs.temperature)
+  sampled = jax.random.categorical(rng, truncate_logits(scaled, sampling.top_k, sampling.top_p), axis=-1)
+  token = jnp.where(greedy, losses.first_argmax(logits), sampled).astype(jnp.int32)
+  logp = jax.nn.log_softmax(scaled, axis=-1)
+  return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
 
 
 def check_lengths(cfg: ModelConfig, prompt_len: int, sampling: SamplingConfig) -> None:
@@ -116,12 +145,12 @@ def prefill(model: transformer.Transformer, params, prompts: jax.Array, prompt_l
 
 
 def advance(model: transformer.Transformer, params, last: jax.Array, cache: list[dict], positions: jax.Array,
-            rng: jax.Array, sampling: SamplingConfig, done: jax.Array | None = None):
+            rng: jax.Array, sampling: SamplingConfig, knobs: Knobs, done: jax.Array | None = None):
   """One token a row: splits `rng`, samples from `last` [b, vocab] (`pad_id` where `done`) and
   runs the token at `positions` [b] through the model. Returns (token [b], log-prob [b], the
   next logits, the cache, the carried key): the step of `generate` and of `stream` alike."""
   rng, key = jax.random.split(rng)
-  token, logp = sample_token(last, key, sampling)
+  token, logp = sample_token(last, key, sampling, knobs)
   if done is not None:
     token = jnp.where(done, sampling.pad_id, token)
   last, cache = decode_step(model, params, token[:, None], positions[:, None], cache)
@@ -129,7 +158,8 @@ def advance(model: transformer.Transformer, params, last: jax.Array, cache: list
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling"))
-def _generate(params, prompts, prompt_lengths, rng, media=None, *, cfg: ModelConfig, sampling: SamplingConfig):
+def _generate(params, prompts, prompt_lengths, rng, knobs: Knobs, media=None, *, cfg: ModelConfig,
+              sampling: SamplingConfig):
   model = transformer.Transformer(cfg)
   batch, prompt_len = prompts.shape
   n_new = sampling.max_new_tokens
@@ -138,7 +168,8 @@ def _generate(params, prompts, prompt_lengths, rng, media=None, *, cfg: ModelCon
 
   def body(carry):
     step, cache, last, tokens, logps, done, rng = carry
-    token, logp, last, cache, rng = advance(model, params, last, cache, prompt_lengths + step, rng, sampling, done)
+    token, logp, last, cache, rng = advance(model, params, last, cache, prompt_lengths + step, rng, sampling, knobs,
+                                            done)
     tokens = tokens.at[:, step].set(token)
     logps = logps.at[:, step].set(jnp.where(done, 0.0, logp))
     done = done | jnp.isin(token, stop)
@@ -175,11 +206,18 @@ def generate(cfg: ModelConfig, params, prompts, prompt_lengths, rng: jax.Array,
   if lengths.min() < 1 or lengths.max() > prompts.shape[1]:
     raise ValueError(f"prompt_lengths must lie in [1, {prompts.shape[1]}], got {lengths.tolist()}")
   check_lengths(cfg, prompts.shape[1], sampling)
-  prompts, prompt_lengths, rng = on_params_mesh(params, (prompts, prompt_lengths, rng))
+  knobs = Knobs.of(sampling, cfg.vocab_size)
+  prompts, prompt_lengths, rng, knobs = on_params_mesh(params, (prompts, prompt_lengths, rng, knobs))
   if media is not None:
     features, mask = media
     media = features, on_params_mesh(params, np.asarray(mask))
-  return _generate(params, prompts, prompt_lengths, rng, media, cfg=cfg, sampling=sampling)
+  return _generate(params, prompts, prompt_lengths, rng, knobs, media, cfg=cfg, sampling=sampling.program)
+
+
+def compiled_programs() -> int:
+  """How many decode programs `generate` has compiled in this process (one per batch shape,
+  model and `SamplingConfig.program`): a caller that times decoding can tell a compile in it."""
+  return _generate._cache_size()
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "cache_len"))
@@ -188,8 +226,8 @@ def _prefill(params, prompts, prompt_lengths, media=None, *, cfg: ModelConfig, c
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("cache",))
-def _advance(params, last, cache, positions, rng, *, cfg: ModelConfig, sampling: SamplingConfig):
-  return advance(transformer.Transformer(cfg), params, last, cache, positions, rng, sampling)
+def _advance(params, last, cache, positions, rng, knobs: Knobs, *, cfg: ModelConfig, sampling: SamplingConfig):
+  return advance(transformer.Transformer(cfg), params, last, cache, positions, rng, sampling, knobs)
 
 
 def stream(cfg: ModelConfig, params, prompt: np.ndarray, prompt_length: int, rng: jax.Array,
@@ -201,9 +239,10 @@ def stream(cfg: ModelConfig, params, prompt: np.ndarray, prompt_length: int, rng
   check_lengths(cfg, prompt.shape[1], sampling)
   last, cache = _prefill(params, np.asarray(prompt, np.int32), np.asarray([prompt_length], np.int32), media, cfg=cfg,
                          cache_len=prompt.shape[1] + sampling.max_new_tokens)
+  knobs = Knobs.of(sampling, cfg.vocab_size)
   for step in range(sampling.max_new_tokens):
     token, logp, last, cache, rng = _advance(params, last, cache, np.asarray([prompt_length + step], np.int32), rng,
-                                             cfg=cfg, sampling=sampling)
+                                             knobs, cfg=cfg, sampling=sampling.program)
     token = int(token[0])
     yield token, float(logp[0])
     if token in sampling.stop_tokens:
