@@ -112,8 +112,10 @@ def sample_token(logits: jax.Array, rng: jax.Array, sampling: SamplingConfig, kn
   logits = logits.astype(jnp.float32) + knobs.ban
   greedy = knobs.temperature == 0
   scaled = logits / jnp.where(greedy, 1.0, knobs.temperature)
-  sampled = jax.random.categorical(rng, truncate_logits(scaled, sampling.top_k, sampling.top_p), axis=-1)
-  token = jnp.where(greedy, losses.first_argmax(logits), sampled).astype(jnp.int32)
+  token = jax.lax.cond(   # one branch runs: no random draw when greedy, no argmax when sampling
+      greedy, lambda: losses.first_argmax(logits).astype(jnp.int32),
+      lambda: jax.random.categorical(rng, truncate_logits(scaled, sampling.top_k, sampling.top_p),
+                                     axis=-1).astype(jnp.int32))
   logp = jax.nn.log_softmax(scaled, axis=-1)
   return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
 
