@@ -9,7 +9,7 @@ alone, so it starts in serial collapse; the sub-agents' are complete), then RL o
 orchestrator with the K2.5 loss; ends with a summary table by task width (trained swarm,
 warm start, single agent on held-out tasks). Agents name lookups by reference (`assign A
 S1 .. Sk all`, `search A next`, `answer all`: `k25jax/agents/tools.py`), so a model this
-small orchestrates without copying entity lists. About 15 minutes on 2 cores.
+small orchestrates without copying entity lists. About 6 minutes on 2 cores.
 
 Renderings (`parl.rendering`, `k25jax/agents/widesearch/rendering.py`): the same tasks,
 tools and scores, read and written either in the 91-id DSL (the default: one id a word,

@@ -1,5 +1,6 @@
 """experiments/parl_ablation.py's labels and verdict, experiments/swarm_latency.py's target and
-speedup tables (on the scripted policies: no model, no training)."""
+speedup tables (on the scripted policies: no model, no training), experiments/profile_parl.py's
+phases."""
 import argparse
 import json
 import math
@@ -13,6 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import parl_ablation  # noqa: E402
 import parl_spawn_payoff  # noqa: E402
+import profile_parl  # noqa: E402
 import swarm_latency  # noqa: E402
 
 from k25jax.agents import widesearch  # noqa: E402
@@ -246,3 +248,18 @@ def test_spawn_payoff_by_hand():
   assert out["f1_split"] == pytest.approx(0.9) and out["f1_solo"] == pytest.approx(0.48)
   assert out["payoff"] == pytest.approx(0.9 - 0.45)
   assert math.isnan(parl_spawn_payoff.payoff(np.zeros(4, bool), np.ones(4), samples=2)["payoff"])
+
+
+# ------------------------------------------------------------------------------ profile_parl
+def test_profile_phases_split_the_wall_time_by_hand():
+  log = profile_parl.Recorder()
+  log.lines = [(100.0, "process 0 of 1"), (112.0, "warm start: 6184 rows"), (212.0, "parl eval at iteration 0: ..."),
+               (260.0, "parl eval at iteration 2: ...")]
+  curves = [{"iteration": 0, "split": "eval"},
+            {"iteration": 0, "split": "train", "sample_s": 20.0, "train_s": 5.0},
+            {"iteration": 1, "split": "train", "sample_s": 15.0, "train_s": 4.0},
+            {"iteration": 2, "split": "eval"}, {"iteration": 2, "split": "final", "rows": {}}]
+  got = profile_parl.phases(90.0, 275.0, log, curves)
+  assert got == {"start-up + demonstrations": 22.0, "warm start + eval 0": 100.0, "rollouts (sample_s)": 35.0,
+                 "updates (train_s)": 9.0, "evaluations, bookkeeping": 4.0, "final table": 15.0, "total": 185.0}
+  assert sum(v for k, v in got.items() if k != "total") == got["total"]
