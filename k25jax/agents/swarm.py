@@ -13,8 +13,9 @@ rows: on CPU 32 (a row costs about the same there in a batch of 16 as of 1,024, 
 contexts then share a call instead of padding to the longest of the tick), on an
 accelerator, where a batch costs about one row, all in one call. Each call is padded to a
 few bucket shapes (`k25jax.rl.decode`: rows and context length each to a power of two of
-at least 16) so the sampler compiles once per bucket, not once per tick. A context too long for the model gets an
-empty turn (the environment treats it as truncated) and is counted in `overflows`.
+at least 16) so the sampler compiles once per bucket, not once per tick. A context too
+long for the model gets an empty turn (the environment treats it as truncated) and is
+counted in `overflows`.
 """
 from __future__ import annotations
 
