@@ -1,7 +1,7 @@
 """Where the main job's time goes: README's PARL command, its phases and its compiles.
 
-    python experiments/profile_parl.py [--workdir /tmp/k25jax_profile_parl] [--out experiments/results/profile_parl.json]
-        [-- --config.train.seed=1 ...]          # flags after `--` go to k25jax.main
+    python experiments/profile_parl.py [--workdir /tmp/k25jax_profile_parl]
+        [--out experiments/results/profile_parl.json] [-- --config.train.seed=1 ...]   # after `--`: k25jax.main's flags
 
 Runs `python -m k25jax.main --config=configs/parl.py --workdir=DIR` in this process (a fresh
 workdir: an existing one is refused, since a resumed run skips phases), recording every
@@ -103,7 +103,8 @@ def main():
   for name, (count, seconds) in sorted(by_program.items(), key=lambda kv: -kv[1][1])[:8]:
     print(f"{name:32s}{count:7d}{seconds:9.1f}")
   final = curves[-1]["rows"]
-  commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+  commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
   with open(args.out, "w") as f:
     json.dump({"commit": commit, "main_flags": args.main_flags, "phases_s": split,
