@@ -35,6 +35,7 @@ def test_batched_swarm_decodes_like_each_episode_alone(setup):
   assert runtime.device_calls["orch"] < sum(runtime.decoded_rows.values())
 
 
+@pytest.mark.slow
 def test_sixteen_subagents_cost_about_one_device_call_per_stage(setup):
   """A scripted orchestrator spawns k sub-agents per episode; the frozen model decodes them in
   batches: one call per sub-agent step of the stage, or (CPU's default) one per 32 of its rows,

@@ -64,6 +64,7 @@ def test_top_k_one_is_greedy_and_sampling_is_seeded(params):
   np.testing.assert_array_equal(a["tokens"], b["tokens"])
 
 
+@pytest.mark.slow
 def test_greedy_sampled_and_banned_decodes_share_one_program(params):
   """Temperature and bans enter as values (`sampler.Knobs`): three decodes of one shape, one
   compile. Banned ids never come out, and a banned decode's log-prob is log softmax(z / T) of

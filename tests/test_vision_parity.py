@@ -156,6 +156,7 @@ def test_text_only_load_of_a_multimodal_folder(checkpoint, loaded):
   assert jax_paths(text_params)[0][0] == jax_paths(params["language_model"])[0][0]
 
 
+@pytest.mark.slow
 def test_hf_checkpoint_starts_k25_and_text_runs_from_either_folder(checkpoint, loaded, tmp_path):
   """init.hf_checkpoint's K2.5 paths (k25jax/train/hf_init.py): a K2.5 run from a K2.5 folder
   gets every param; from a text folder its language model, the tower and projector fresh; a
