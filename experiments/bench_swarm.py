@@ -15,7 +15,8 @@ Layouts (episodes × sub-agents per episode; the DSL names S1..S8, at most 8 per
 
 Per layout, in the same run and interleaved:
 * batched:   `swarm.Swarm` plays all the layout's episodes at once; every tick decodes all
-             waiting sub-agent turns in one sampler call (rows and length padded to `decode.bucket`s).
+             waiting sub-agent turns in sampler calls of at most `Swarm.max_rows` rows (32 on CPU:
+             one call for these layouts), rows and length padded to `decode.bucket`s.
 * unbatched: `widesearch.run_episode` plays the episodes one after another and every
              sub-agent turn is decoded alone (batch 1, the same length buckets).
 Timed as the median of `--runs` runs after one warm-up run (which compiles every shape),

@@ -8,7 +8,7 @@ workdir: an existing one is refused, since a resumed run skips phases), recordin
 XLA compile (`jax.monitoring`'s backend-compile events: program name and seconds) and the
 time of each log line. Then splits the wall time into phases:
 
-    start-up + demonstrations   process start → the warm start's first step (imports, the
+    start-up + demonstrations   process start → the warm start's data logged (imports, the
                                 6,000 scripted episodes, packing)
     warm start + eval 0         → the evaluation at iteration 0 logged
     rollouts, updates           the 80 iterations' `sample_s` and `train_s` (parl_curves.json)
@@ -53,11 +53,10 @@ def phases(start: float, end: float, log: Recorder, curves: list[dict]) -> dict[
   """The module docstring's phases, in seconds."""
   train = [row for row in curves if row.get("split") == "train"]
   evals = [row for row in curves if row.get("split") == "eval"]
-  eval0 = log.first("parl eval at iteration 0")
+  packed, eval0 = log.first("warm start: "), log.first("parl eval at iteration 0")
   last_eval = log.first(f"parl eval at iteration {evals[-1]['iteration']}")
   sample, update = sum(r["sample_s"] for r in train), sum(r["train_s"] for r in train)
-  return {"start-up + demonstrations": log.first("warm start: ") - start,
-          "warm start + eval 0": eval0 - log.first("warm start: "),
+  return {"start-up + demonstrations": packed - start, "warm start + eval 0": eval0 - packed,
           "rollouts (sample_s)": sample, "updates (train_s)": update,
           "evaluations, bookkeeping": last_eval - eval0 - sample - update,
           "final table": end - last_eval, "total": end - start}

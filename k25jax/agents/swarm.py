@@ -98,7 +98,7 @@ class Swarm:
     self.overflows += fits.count(False)
     order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))
     per_call = self.max_rows or len(order)
-    turns = [([], [])] * len(contexts)
+    turns = [([], []) for _ in contexts]          # an empty turn where the context does not fit
     for start in range(0, len(order), per_call):
       rows = order[start:start + per_call]
       self.rng, key = jax.random.split(self.rng)
