@@ -11,21 +11,12 @@ collectives) run as they do for users, and LLVM keeps IEEE float semantics at ev
 `COMPILE_BOUND_FLAGS`: level 0, for processes that compile many programs and run each a
 step or two (the two-process comparison's workers): its five stages in one 4-device process
 took 137 CPU-s at level 0 against 185 at level 1.
-
-`SAME_CODE_ON_EVERY_X86`: on x86, XLA emits AVX2 code at most (`--xla_cpu_max_isa=AVX2`),
-so a test computes the same floats on every machine CI may land on. Left to the host, an
-AVX-512 machine rounds differently (other vector widths, other reduction orders), and a
-learning test that trains a warm start for hundreds of steps ends elsewhere:
-`test_rl_raises_held_out_accuracy` went 0.113 -> 0.146 in 15 iterations on an AVX-512 (fp16)
-Xeon and 0.191 -> 0.287 on the same machine at AVX2.
 """
 import os
-import platform
 import socket
 
-SAME_CODE_ON_EVERY_X86 = " --xla_cpu_max_isa=AVX2" if platform.machine().lower() in ("x86_64", "amd64") else ""
-COMPILE_FLAGS = "--xla_backend_optimization_level=1" + SAME_CODE_ON_EVERY_X86
-COMPILE_BOUND_FLAGS = "--xla_backend_optimization_level=0" + SAME_CODE_ON_EVERY_X86
+COMPILE_FLAGS = "--xla_backend_optimization_level=1"
+COMPILE_BOUND_FLAGS = "--xla_backend_optimization_level=0"
 
 
 def xla_flags(devices: int | None = None, compile_bound: bool = False) -> str:
