@@ -42,7 +42,7 @@ def compact_toggle_warm_start() -> str:
   warm_start.seed 2 and 3 on the EPYC; at 400 steps 0.82. At a constant lr on the EPYC, seed 0
   went 0.03, 0.14, 0.24, 0.38 at 225, 250, 275, 300 steps and seed 2 0.03, 0.05, 0.16, 0.25 at
   275-350. Trained to the band, test_rl_raises_held_out_accuracy gained 0.106, 0.084 and 0.105 in
-  15 iterations from warm-start seeds 0, 2 and 3 (275, 350 and 400 steps; its margin is 0.06).""""""
+  15 iterations from warm-start seeds 0, 2 and 3 (275, 350 and 400 steps; its margin is 0.06)."""
   import jax
   from k25jax.model import transformer
   from k25jax.stages import rl
