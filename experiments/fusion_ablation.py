@@ -1,9 +1,12 @@
 """Experiment: when to start mixing vision into pre-training (Kimi K2.5, Table 1), tiny, on CPU.
 
-    python experiments/fusion_ablation.py [--steps 400 --out experiments/results/fusion_ablation]
+    python experiments/fusion_ablation.py [--steps 400 --seed 0 --model recipe --out experiments/results/fusion_ablation]
+    python experiments/fusion_ablation.py --aggregate OUT_seed0.json OUT_seed1.json ... --out OUT
 
-Three joint pre-training runs of `configs/pretrain.py:joint` with a small text backbone,
-the same steps, batch and total tokens, and the SAME total vision tokens (a tenth of all):
+Three joint pre-training runs of `configs/pretrain.py:joint` with the recipe's tiny K2.5
+(`--model recipe`, configs/recipe.py: the tiny chat decoder and its vision tower) or the
+earlier small text backbone (`--model small`: 512 ids, 8 experts of 64), the same steps, batch
+and total tokens, and the SAME total vision tokens (a tenth of all):
 
     early  10:90 from step 0          (vision_ratio 0.1, vision_start 0.0)
     mid    20:80 from 50% of the steps (vision_ratio 0.2, vision_start 0.5)
@@ -17,7 +20,11 @@ Vision data: the quadrant-aligned synthetic tasks `count` (1–4 shapes) and `ca
 The paper's ordering is early > mid > late on vision and text at equal vision tokens.
 Writes `<out>.json` (settings, final metrics, eval curves, measured vision share, config)
 and `<out>.txt` (the table). `--set section.field=value` overrides a config field in
-every run (e.g. `--set train.batch=16`).
+every run (e.g. `--set train.batch=16`). `--aggregate` reads the JSONs of several seeds and
+writes per setting the mean ± standard error (s / √n) of each metric over the seeds, and per
+pair of settings and metric the mean of the per-seed differences ± its standard error (the
+seeds are paired: each seed's three runs share their data draws); a difference "exceeds the
+noise" when its mean lies more than two standard errors from 0.
 """
 from __future__ import annotations
 
@@ -35,7 +42,7 @@ from absl import logging
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from configs import common  # noqa: E402
+from configs import common, recipe as recipe_config  # noqa: E402
 from k25jax.data import mixture, sources, tokenizer  # noqa: E402
 from k25jax.model import k25  # noqa: E402
 from k25jax.stages import pretrain  # noqa: E402
@@ -44,6 +51,8 @@ from k25jax.train import trainer as trainer_lib  # noqa: E402
 
 SETTINGS = {"early 10:90": (0.1, 0.0), "mid 20:80": (0.2, 0.5), "late 50:50": (0.5, 0.8)}
 TASKS = ("count", "caption")
+METRICS = (("count_accuracy", True), ("count_answer_loss", False), ("caption_answer_loss", False),
+           ("caption_token_accuracy", True), ("text_loss", False))   # (final metric, higher is better)
 TEXT = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
             num_hidden_layers=2, num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2,
             q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
@@ -51,7 +60,8 @@ TEXT = dict(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermed
 
 def make_config(ratio: float, start: float, args):
   config = config_utils.load_config_file(os.path.join(ROOT, "configs", "pretrain.py"), "joint")
-  config.model = common.k25_model_section("tiny", **TEXT)
+  config.model = (recipe_config.model_section(True, "tiny") if args.model == "recipe"
+                  else common.k25_model_section("tiny", **TEXT))
   config.data.update(vision_ratio=ratio, vision_start=start, vision_tasks=TASKS, max_patches=1024)
   config.train.update(steps=args.steps, batch=8, seq_len=128, log_every=25, eval_every=args.steps // 4,
                       eval_batches=4, checkpoint_every=args.steps, keep_checkpoints=1, seed=args.seed)
@@ -125,6 +135,42 @@ def ordering(results: dict) -> str:
   return "\n".join(verdicts)
 
 
+def mean_and_error(values) -> tuple[float, float]:
+  """(mean, standard error s / √n with s the sample standard deviation) of per-seed values."""
+  values = np.asarray(values, np.float64)
+  return float(values.mean()), float(values.std(ddof=1) / np.sqrt(len(values))) if len(values) > 1 else float("nan")
+
+
+def aggregate(runs: list[dict]) -> dict:
+  """Per setting and metric, mean ± s.e. over the seeds' runs; per pair of settings and metric,
+  the paired difference (first − second) mean ± s.e. and whether it exceeds the noise (|mean| > 2 s.e.)."""
+  names = list(SETTINGS)
+  final = {n: {m: [r["results"][n]["final"][m] for r in runs] for m, _ in METRICS} for n in names}
+  settings = {n: {m: mean_and_error(v) for m, v in final[n].items()} for n in names}
+  pairs = {}
+  for i, a in enumerate(names):
+    for b in names[i + 1:]:
+      for m, higher in METRICS:
+        mean, error = mean_and_error(np.subtract(final[a][m], final[b][m]))
+        better = a if (mean > 0) == higher else b
+        pairs[f"{a} vs {b}: {m}"] = dict(mean=mean, error=error, exceeds_noise=bool(abs(mean) > 2 * error),
+                                          better=better if mean else "neither")
+  return dict(seeds=[r["args"]["seed"] for r in runs], per_seed=final, settings=settings, pairs=pairs)
+
+
+def aggregate_table(result: dict) -> str:
+  cols = [m for m, _ in METRICS]
+  lines = [f"{len(result['seeds'])} seeds {result['seeds']}: mean ± standard error", "",
+           f"{'setting':12s} " + " ".join(f"{c:>24s}" for c in cols)]
+  for name, metrics in result["settings"].items():
+    lines.append(f"{name:12s} " + " ".join(f"{metrics[c][0]:>12.4f} ± {metrics[c][1]:<9.4f}" for c in cols))
+  lines += ["", "paired differences (first − second), mean ± s.e.; * where |mean| > 2 s.e.:"]
+  for key, d in result["pairs"].items():
+    mark = "*" if d["exceeds_noise"] else " "
+    lines.append(f"{mark} {key:48s} {d['mean']:+.4f} ± {d['error']:.4f}  (better: {d['better']})")
+  return "\n".join(lines)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--steps", type=int, default=400)
@@ -132,7 +178,22 @@ def main():
   parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "fusion_ablation"))
   parser.add_argument("--workdir", default="/tmp/fusion_ablation")
   parser.add_argument("--set", action="append", default=[], help="section.field=value, for every run")
+  parser.add_argument("--model", choices=("recipe", "small"), default="recipe")
+  parser.add_argument("--aggregate", nargs="+", metavar="JSON", help="seeds' result files to summarise")
   args = parser.parse_args()
+  if args.aggregate:
+    runs = []
+    for path in args.aggregate:
+      with open(path) as f:
+        runs.append(json.load(f))
+    result = aggregate(runs)
+    text = aggregate_table(result)
+    print(text)
+    with open(args.out + ".json", "w") as f:
+      json.dump(dict(result, inputs=args.aggregate), f, indent=1)
+    with open(args.out + ".txt", "w") as f:
+      f.write("python experiments/fusion_ablation.py --aggregate " + " ".join(args.aggregate) + "\n\n" + text + "\n")
+    return
   logging.set_verbosity(logging.WARNING)
   tok = tokenizer.ByteTokenizer(media=True)
   results = {}
@@ -153,7 +214,7 @@ def main():
     json.dump(dict(results=results, args=vars(args), config=make_config(0.1, 0.0, args).to_dict()), f, indent=1,
               default=str)
   with open(args.out + ".txt", "w") as f:
-    f.write(f"python experiments/fusion_ablation.py --steps {args.steps} --seed {args.seed} "
+    f.write(f"python experiments/fusion_ablation.py --steps {args.steps} --seed {args.seed} --model {args.model} "
             + " ".join(f"--set {s}" for s in args.set) + "\n\n" + text + "\n")
 
 
