@@ -1,6 +1,6 @@
 """Experiment: when to start mixing vision into pre-training (Kimi K2.5, Table 1), tiny, on CPU.
 
-    python experiments/fusion_ablation.py [--steps 400 --seed 0 --model recipe --out experiments/results/fusion_ablation]
+    python experiments/fusion_ablation.py [--steps 400 --seed 0 --model recipe --out OUT]
     python experiments/fusion_ablation.py --aggregate OUT_seed0.json OUT_seed1.json ... --out OUT
 
 Three joint pre-training runs of `configs/pretrain.py:joint` with the recipe's tiny K2.5
@@ -21,10 +21,11 @@ The paper's ordering is early > mid > late on vision and text at equal vision to
 Writes `<out>.json` (settings, final metrics, eval curves, measured vision share, config)
 and `<out>.txt` (the table). `--set section.field=value` overrides a config field in
 every run (e.g. `--set train.batch=16`). `--aggregate` reads the JSONs of several seeds and
-writes per setting the mean ± standard error (s / √n) of each metric over the seeds, and per
-pair of settings and metric the mean of the per-seed differences ± its standard error (the
-seeds are paired: each seed's three runs share their data draws); a difference "exceeds the
-noise" when its mean lies more than two standard errors from 0.
+writes (`<out>.json`, `.txt`, `.png`) per setting the mean ± standard error (s / √n) of each
+metric over the seeds, and per pair of settings and metric the mean of the per-seed
+differences ± its standard error (the seeds are paired: each seed's three runs share their
+data draws); a difference "exceeds the noise" when its mean lies more than two standard
+errors from 0.
 """
 from __future__ import annotations
 
@@ -171,6 +172,30 @@ def aggregate_table(result: dict) -> str:
   return "\n".join(lines)
 
 
+def plot_aggregate(result: dict, path: str) -> None:
+  """A panel a metric: each setting's mean over seeds with ± 1 standard error, and each seed's value."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  names = list(result["settings"])
+  fig, axes = plt.subplots(1, len(METRICS), figsize=(3.2 * len(METRICS), 3.4))
+  for ax, (metric, higher) in zip(axes, METRICS):
+    means, errors = zip(*(result["settings"][n][metric] for n in names))
+    ax.bar(range(len(names)), means, yerr=errors, capsize=4, color="#9ab", edgecolor="#456")
+    for i, n in enumerate(names):
+      ax.plot([i] * len(result["per_seed"][n][metric]), result["per_seed"][n][metric], "k.", alpha=0.5)
+    low = min(min(result["per_seed"][n][metric]) for n in names)
+    high = max(max(result["per_seed"][n][metric]) for n in names)
+    ax.set_ylim(low - 0.15 * (high - low + 1e-9), high + 0.15 * (high - low + 1e-9))
+    ax.set_xticks(range(len(names)), [n.split()[0] for n in names])
+    ax.set_title(metric.replace("_", " ") + (" ↑" if higher else " ↓"), fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+  fig.suptitle(f"Table 1 at tiny size: mean ± s.e. over seeds {result['seeds']} (dots: each seed)", fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--steps", type=int, default=400)
@@ -193,6 +218,7 @@ def main():
       json.dump(dict(result, inputs=args.aggregate), f, indent=1)
     with open(args.out + ".txt", "w") as f:
       f.write("python experiments/fusion_ablation.py --aggregate " + " ".join(args.aggregate) + "\n\n" + text + "\n")
+    plot_aggregate(result, args.out + ".png")
     return
   logging.set_verbosity(logging.WARNING)
   tok = tokenizer.ByteTokenizer(media=True)

@@ -53,3 +53,12 @@ def test_a_difference_inside_two_standard_errors_is_noise():
   # +0.1, 0.0: mean 0.05, sd 0.0707, s.e. 0.05: |0.05| = 1 s.e., noise; early ahead on the mean
   assert pair["mean"] == pytest.approx(0.05) and pair["error"] == pytest.approx(0.05)
   assert not pair["exceeds_noise"] and pair["better"] == "early 10:90"
+
+
+def test_the_summary_plot_has_a_panel_a_metric(tmp_path):
+  result = fusion_ablation.aggregate([run(0, (2.0, 2.2, 2.9)), run(1, (2.2, 2.3, 3.0))])
+  fusion_ablation.plot_aggregate(result, str(tmp_path / "summary.png"))
+  from PIL import Image
+  with Image.open(tmp_path / "summary.png") as image:
+    width, height = image.size
+  assert width > 3 * height     # five panels side by side
