@@ -42,7 +42,9 @@ from absl import logging
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import seed_stats  # noqa: E402
 from configs import common, recipe as recipe_config  # noqa: E402
 from k25jax.data import mixture, sources, tokenizer  # noqa: E402
 from k25jax.model import k25  # noqa: E402
@@ -136,26 +138,17 @@ def ordering(results: dict) -> str:
   return "\n".join(verdicts)
 
 
-def mean_and_error(values) -> tuple[float, float]:
-  """(mean, standard error s / √n with s the sample standard deviation) of per-seed values."""
-  values = np.asarray(values, np.float64)
-  return float(values.mean()), float(values.std(ddof=1) / np.sqrt(len(values))) if len(values) > 1 else float("nan")
-
-
 def aggregate(runs: list[dict]) -> dict:
   """Per setting and metric, mean ± s.e. over the seeds' runs; per pair of settings and metric,
   the paired difference (first − second) mean ± s.e. and whether it exceeds the noise (|mean| > 2 s.e.)."""
   names = list(SETTINGS)
   final = {n: {m: [r["results"][n]["final"][m] for r in runs] for m, _ in METRICS} for n in names}
-  settings = {n: {m: mean_and_error(v) for m, v in final[n].items()} for n in names}
+  settings = {n: {m: seed_stats.mean_and_error(v) for m, v in final[n].items()} for n in names}
   pairs = {}
   for i, a in enumerate(names):
     for b in names[i + 1:]:
       for m, higher in METRICS:
-        mean, error = mean_and_error(np.subtract(final[a][m], final[b][m]))
-        better = a if (mean > 0) == higher else b
-        pairs[f"{a} vs {b}: {m}"] = dict(mean=mean, error=error, exceeds_noise=bool(abs(mean) > 2 * error),
-                                          better=better if mean else "neither")
+        pairs[f"{a} vs {b}: {m}"] = seed_stats.paired_difference(final[a][m], final[b][m], higher, (a, b))
   return dict(seeds=[r["args"]["seed"] for r in runs], per_seed=final, settings=settings, pairs=pairs)
 
 

@@ -124,9 +124,10 @@ def run_stage(name: str, config: ml_collections.ConfigDict, workdir: str):
 
 
 def run_chain(preset: str, root: str, probes: recipe_probes.Probes | None = None,
-              overrides: tuple[str, ...] = ()) -> dict:
-  """Every stage in order from the previous stage's workdir, the probes before the first and after
-  each (when given). Returns {"rows": {"init" | stage: probes}, "time_s": {stage: {...}}}."""
+              overrides: tuple[str, ...] = (), last: str = STAGES[-1]) -> dict:
+  """Every stage in order, up to and with `last`, from the previous stage's workdir, the probes
+  before the first and after each (when given). Returns {"rows": {"init" | stage: probes},
+  "time_s": {stage: {...}}}."""
   configs = stage_configs(preset, overrides)
   mesh = sharding.make_mesh(common.mesh_section().to_dict())
 
@@ -140,7 +141,7 @@ def run_chain(preset: str, root: str, probes: recipe_probes.Probes | None = None
   if probes is not None:
     first = probe(STAGES[0], None)
     rows["init"], times["init"] = first["probes"], {"probe_s": first["probe_s"]}
-  for name in STAGES:
+  for name in STAGES[:STAGES.index(last) + 1]:
     workdir = os.path.join(root, name)
     record = os.path.join(workdir, "recipe_stage.json")
     finished = os.path.exists(record)
