@@ -3,18 +3,21 @@
     python experiments/recipe.py [--preset tiny|test --root runs/recipe --out experiments/results/recipe]
 
 Runs the stages of `configs/recipe.py` in order — text pre-training → ViT → joint pre-training
-(10:90) → mid-training (YaRN) → zero-vision SFT → joint RL with Toggle → PARL — each in
+(10:90) → mid-training (YaRN) → zero-vision SFT → joint RL with Toggle and the GRM → PARL — each in
 `<root>/<stage>`, its `init` the previous stage's workdir (`init_from`: `init.checkpoint`, or
 `init.text_checkpoint` where a K2.5 stage follows the text-only one). Mid-training's YaRN rope
-is carried on to the stages after it. Before the first stage (a fresh K2.5 model) and after
+is carried on to the stages after it. Joint RL's judge (`configs/recipe.py: judge_config`) is
+trained in `<root>/judge` before joint RL, from a fresh init. Before the first stage (a fresh K2.5 model) and after
 every stage the same held-out probes measure the model (`recipe_probes.PROBES`); after PARL,
 which trains the decoder alone, the K2.5 model is joint RL's with PARL's decoder. A stage that
 finished (`<root>/<stage>/recipe_stage.json`) is not run again, so the command resumes (and
 a root whose first stages link to another root's runs an ablation of the later ones:
 `--set sft.optimizer.name=adamw`).
 
+`--set judge.section.field=value` overrides a field of the judge's config.
+
 Writes `<out>.json` (the stage × probe table, the time of every stage and its probes, which
-probes each stage trains), `<out>.md` (the table, each stage's change on the probes it trains,
+probes each stage trains, the judge's agreement with the hidden rubric), `<out>.md` (the table, each stage's change on the probes it trains,
 and where a later stage lowers an earlier stage's probe) and `<out>.png`.
 """
 from __future__ import annotations
@@ -41,7 +44,7 @@ import recipe_probes  # noqa: E402
 from configs import common, recipe as recipe_config  # noqa: E402
 from k25jax.data import legacy_chat as chat  # noqa: E402
 from k25jax.model import k25  # noqa: E402
-from k25jax.stages import midtrain  # noqa: E402
+from k25jax.stages import midtrain, sft  # noqa: E402
 from k25jax.train import checkpoint, config_utils, sharding, trainer as trainer_lib  # noqa: E402
 
 STAGES = recipe_config.STAGES
@@ -50,7 +53,8 @@ STAGE_MODULES = {"text_pretrain": "pretrain", "vit": "vit", "joint_pretrain": "p
 # The probes each stage trains (the ones it must improve over the checkpoint it started from).
 TRAINS = {"text_pretrain": ("text_loss",), "vit": ("caption_loss", "count_loss"),
           "joint_pretrain": ("text_loss", "caption_loss", "count_loss"), "midtrain": ("long_text_loss",),
-          "sft": ("image_tool", "arithmetic"), "joint_rl": ("arithmetic", "image_tool"), "parl": ("parl_item_f1",)}
+          "sft": ("image_tool", "arithmetic", "description"), "joint_rl": ("arithmetic", "image_tool", "description"),
+          "parl": ("parl_item_f1",)}
 LOWER_IS_BETTER = recipe_probes.LOSSES
 
 
@@ -71,6 +75,46 @@ def init_from(config: ml_collections.ConfigDict, workdir: str) -> None:
   config.init.update(init_fields("vision" in config.model, workdir))
 
 
+def start_from(config: ml_collections.ConfigDict, previous: str | None, judge: str | None) -> None:
+  """Points `config` at the runs it starts from: the previous stage's (`init_from`), and where a
+  judge rewards it (`grm.checkpoint` set), the recipe's judge (`judge`'s workdir)."""
+  if previous is not None:
+    init_from(config, previous)
+  if "grm" in config and config.grm.checkpoint:
+    config.grm.checkpoint = judge
+
+
+def judge_config(preset: str, overrides: tuple[str, ...] = ()) -> ml_collections.ConfigDict:
+  """configs/recipe.py's judge with the `--set judge.…` items of `overrides` applied."""
+  config = recipe_config.judge_config(preset)
+  config_utils.apply_overrides(config, [item.partition(".")[2] for item in overrides
+                                        if item.partition(".")[0] == recipe_config.JUDGE])
+  return config
+
+
+def run_judge(preset: str, root: str, overrides: tuple[str, ...] = ()) -> str:
+  """The judge's workdir, <root>/judge, trained there unless finished (its recipe_stage.json:
+  the training's time)."""
+  workdir = os.path.join(root, recipe_config.JUDGE)
+  record = os.path.join(workdir, "recipe_stage.json")
+  if not os.path.exists(record):
+    start = time.time()
+    sft.run(judge_config(preset, overrides), workdir)
+    with open(record, "w") as f:
+      json.dump({"stage_s": time.time() - start}, f)
+  return workdir
+
+
+def judge_report(root: str) -> tuple[dict, dict] | None:
+  """({"stage_s"}, the judge's agreement with the hidden rubric by setting: sft_eval.json's
+  "judge") of <root>/judge, or None where no judge was trained."""
+  workdir = os.path.join(root, recipe_config.JUDGE)
+  if not os.path.exists(os.path.join(workdir, "recipe_stage.json")):
+    return None
+  with open(os.path.join(workdir, "recipe_stage.json")) as f, open(os.path.join(workdir, "sft_eval.json")) as g:
+    return json.load(f), json.load(g)["judge"]
+
+
 def carry_long_context(configs: dict[str, ml_collections.ConfigDict]) -> None:
   """The stages after mid-training keep its rope: YaRN, max positions = factor · original context."""
   lc = configs["midtrain"].long_context
@@ -86,8 +130,10 @@ def stage_configs(preset: str, overrides: tuple[str, ...] = ()) -> dict[str, ml_
   configs = recipe_config.stage_configs(preset)
   for item in overrides:
     stage, _, field = item.partition(".")
+    if stage == recipe_config.JUDGE:
+      continue     # `judge_config`'s
     if stage not in configs:
-      raise ValueError(f"--set {item!r}: no stage {stage!r}; the stages are {STAGES}")
+      raise ValueError(f"--set {item!r}: no stage {stage!r}; the stages are {STAGES} (and {recipe_config.JUDGE!r})")
     config_utils.apply_overrides(configs[stage], [field])
   carry_long_context(configs)
   return configs
@@ -125,9 +171,10 @@ def run_stage(name: str, config: ml_collections.ConfigDict, workdir: str):
 
 def run_chain(preset: str, root: str, probes: recipe_probes.Probes | None = None,
               overrides: tuple[str, ...] = (), last: str = STAGES[-1]) -> dict:
-  """Every stage in order, up to and with `last`, from the previous stage's workdir, the probes
-  before the first and after each (when given). Returns {"rows": {"init" | stage: probes},
-  "time_s": {stage: {...}}}."""
+  """Every stage in order, up to and with `last`, from the previous stage's workdir (joint RL's
+  judge trained before it, `run_judge`), the probes before the first stage and after each (when
+  given). Returns {"rows": {"init" | stage: probes}, "time_s": {stage | "judge": {...}},
+  "judge": the judge's agreement with the hidden rubric, None without a judge}."""
   configs = stage_configs(preset, overrides)
   mesh = sharding.make_mesh(common.mesh_section().to_dict())
 
@@ -137,7 +184,7 @@ def run_chain(preset: str, root: str, probes: recipe_probes.Probes | None = None
     rest_from = os.path.join(root, "joint_rl") if name == "parl" else None
     return {"probes": probes(cfg, k25_params(cfg, workdir, mesh, rest_from), mesh), "probe_s": time.time() - start}
 
-  rows, times, previous = {}, {}, None
+  rows, times, previous, judge = {}, {}, None, None
   if probes is not None:
     first = probe(STAGES[0], None)
     rows["init"], times["init"] = first["probes"], {"probe_s": first["probe_s"]}
@@ -152,8 +199,9 @@ def run_chain(preset: str, root: str, probes: recipe_probes.Probes | None = None
       stale = probes is not None and set(recipe_probes.PROBES + recipe_probes.EXTRAS) - measured   # added since
     else:
       config = configs[name]
-      if previous is not None:
-        init_from(config, previous)
+      if "grm" in config and config.grm.checkpoint and judge is None:
+        judge = run_judge(preset, root, overrides)
+      start_from(config, previous, judge)
       start = time.time()
       run_stage(name, config, workdir)
       done, stale = {"stage_s": time.time() - start, "init": config.init.to_dict()}, probes is not None
@@ -166,7 +214,20 @@ def run_chain(preset: str, root: str, probes: recipe_probes.Probes | None = None
       rows[name] = done["probes"]
     times[name] = {k: done[k] for k in ("stage_s", "probe_s") if k in done}
     previous = workdir
-  return {"rows": rows, "time_s": times}
+  judged = judge_report(root)
+  if judged is not None:
+    times[recipe_config.JUDGE] = judged[0]
+  return {"rows": rows, "time_s": times, "judge": judged[1] if judged else None}
+
+
+def seed_overrides(seed: int) -> tuple[str, ...]:
+  """--set items giving every stage training seed `seed`: `train.seed`, the SFT's data
+  (`data.seed`: its trajectories and examples), PARL's warm start. The held-out sets of the
+  stages and the probes keep their own seeds, so every seed is measured on the same tasks, and
+  the judge is the same reward model for every seed (a root whose `judge` links to a finished
+  one reuses it)."""
+  return tuple([f"{name}.train.seed={seed}" for name in STAGES] + ["sft.data.seed=" + str(seed),
+                                                                   f"parl.warm_start.seed={seed}"])
 
 
 # ------------------------------------------------------------------------------- report
@@ -215,6 +276,11 @@ def markdown(result: dict) -> str:
   lines += [f"* {c['stage']}: {c['probe']} {c['before']:.3f} → {c['after']:.3f} ({verdict(c)})" for c in trained]
   lines += ["", "Forgetting (a stage lowers a probe that earlier stages had raised, and it does not train):", ""]
   lines += [f"* {f['stage']}: {f['probe']} {f['before']:.3f} → {f['after']:.3f}" for f in forgetting] or ["* none"]
+  if result.get("judge"):
+    lines += ["", "Joint RL's judge (configs/grm.py, trained beside the chain) against the hidden rubric on "
+              "held-out descriptions:", ""]
+    lines += [f"* {name}: Spearman {r['spearman']:.3f}, exact score {r['score_accuracy']:.3f}, unparsable "
+              f"{r['unparsable_rate']:.3f}" for name, r in result["judge"].items()]
   total = sum(t.get("stage_s", 0) + t.get("probe_s", 0) for t in times.values())
   lines += ["", f"Total: {total / 60:.1f} min (stages and probes)."]
   return "\n".join(lines) + "\n"
@@ -248,14 +314,16 @@ def main():
   parser.add_argument("--root", default="runs/recipe")
   parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "recipe"))
   parser.add_argument("--probe_tasks", type=int, default=32, help="held-out rollout tasks per probe")
+  parser.add_argument("--seed", type=int, default=0, help="every stage's training seeds (`seed_overrides`)")
   parser.add_argument("--set", action="append", default=[], metavar="STAGE.SECTION.FIELD=VALUE",
                       help="override a stage's config field, e.g. --set sft.optimizer.name=adamw (repeatable)")
   args = parser.parse_args()
-  configs = stage_configs(args.preset, tuple(args.set))
+  overrides = seed_overrides(args.seed) + tuple(args.set)
+  configs = stage_configs(args.preset, overrides)
   probes = recipe_probes.Probes(configs["sft"], configs["parl"], tasks=args.probe_tasks)
   start = time.time()
-  result = run_chain(args.preset, args.root, probes, tuple(args.set))
-  result.update(preset=args.preset, overrides=args.set, trains=TRAINS, wall_s=time.time() - start,
+  result = run_chain(args.preset, args.root, probes, overrides)
+  result.update(preset=args.preset, seed=args.seed, overrides=args.set, trains=TRAINS, wall_s=time.time() - start,
                 devices=jax.device_count())
   result["trained"], result["forgetting"] = changes(result["rows"])
   with open(args.out + ".json", "w") as f:

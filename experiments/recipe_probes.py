@@ -14,6 +14,9 @@ K2.5 model after every stage.
                    example had (the SFT stage's held-out sums, `sft.held_out_arithmetic`)
     image_tool     greedy accuracy on held-out image tasks, the image in the prompt and the
                    sandboxed Python tool available (the SFT stage's `image_tool` setting)
+    description    the hidden rubric (`descriptions.rubric`: true facts of the scene claimed,
+                   minus false ones, over its facts) of greedy descriptions of held-out scenes,
+                   the image in the prompt, no tool (joint RL's GRM-rewarded ability)
     tool_calls     calls per image_tool episode, and tool_call_success, the share that ran
     arithmetic_tokens, image_tool_tokens   generated tokens per episode of those two probes
                    (what Toggle shortens)
@@ -28,15 +31,16 @@ from __future__ import annotations
 
 import jax
 import ml_collections
+import numpy as np
 
 from k25jax.agents import tool_rollout
-from k25jax.data import mixture, sources, tokenizer, tool_formats
+from k25jax.data import descriptions, mixture, sources, tokenizer, tool_formats
 from k25jax.model import k25
 from k25jax.stages import parl, sft
 from k25jax.train import multimodal, objective
 
 PROBES = ("text_loss", "long_text_loss", "caption_loss", "count_loss", "caption_exact", "count_exact", "arithmetic",
-          "image_tool", "parl_item_f1")
+          "image_tool", "description", "parl_item_f1")
 EXTRAS = ("tool_calls", "arithmetic_tokens", "image_tool_tokens", "parl_subagents")   # in the table, not
                                                                                      # probes a stage must raise
 LOSSES = PROBES[:4]     # lower is better
@@ -72,6 +76,7 @@ class Probes:
     sums = sft.arithmetic_examples(self.sft_config, self.format)
     self.arithmetic = sft.held_out_arithmetic(self.sft_config,
                                               set(zip(sums["a"].tolist(), sums["b"].tolist())))[:tasks]
+    self.descriptions = descriptions.make_tasks(tasks, VISION_SEED)
     self.parl_config = parl_config
     self.parl_tasks = parl.sample_tasks(parl_config, tasks, parl_config.parl.eval_seed)
 
@@ -96,6 +101,8 @@ class Probes:
           out[f"{name}_exact"] = m["answer_exact"]
       with tool_rollout.sandbox_pool(self.sft_config.sandbox) as pool:
         rollouts = sft.evaluate(self.sft_config, model_cfg, params, self.format, pool, self.arithmetic)
+        described = sft.play(self.sft_config, model_cfg, params, self.format, pool, self.descriptions, image=True,
+                             tool=False, temperature=0.0, seed=self.sft_config.eval.seed)
       decoder = params[k25.LANGUAGE_MODEL]
       swarm, _, _ = parl.play(self.parl_config, model_cfg.text, decoder, decoder, self.parl_tasks, greedy=True)
     swarm = parl.summarize(swarm, 0.0)
@@ -105,5 +112,6 @@ class Probes:
     out.update(image_tool=image["accuracy"], image_tool_tokens=image["generated_tokens"],
                tool_calls=image["calls_per_episode"],
                tool_call_success=image["tool_call_success"], parl_item_f1=swarm["item_f1"],
+               description=float(np.mean([t.rubric(e.answer) for e, t in zip(described, self.descriptions)])),
                parl_subagents=swarm.get("wide/num_created", 0.0))
     return out

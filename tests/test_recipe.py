@@ -19,6 +19,7 @@ CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(CHECKOUT, "experiments"))
 import recipe  # noqa: E402
 import recipe_probes  # noqa: E402
+import recipe_seeds  # noqa: E402
 
 LM = k25.LANGUAGE_MODEL
 
@@ -63,12 +64,13 @@ def _part(flat: dict[str, np.ndarray], under: str) -> dict[str, np.ndarray]:
 
 def _run_chain(root: str) -> None:
   """Every stage of the test preset in order, each from the previous one's workdir, under
-  `root`; each stage's final params (the trained state's, not a restore) in root/NAME.npz."""
+  `root` (joint RL's judge trained first, in root/judge); each stage's final params (the
+  trained state's, not a restore) in root/NAME.npz."""
   configs, previous = recipe.stage_configs("test"), None
+  judge = recipe.run_judge("test", root)
   for name in recipe.STAGES:
     config, workdir = configs[name], os.path.join(root, name)
-    if previous is not None:
-      recipe.init_from(config, previous)
+    recipe.start_from(config, previous, judge)
     state, _ = recipe.run_stage(name, config, workdir)
     np.savez(os.path.join(root, f"{name}.npz"), **_flat(jax.device_get(state.params)))
     previous = workdir
@@ -178,17 +180,37 @@ def test_the_probes_measure_a_chained_model(chain):
   assert set(recipe_probes.PROBES + recipe_probes.EXTRAS) <= set(out)
   assert all(0.0 <= out[p] <= 1.0 for p in recipe_probes.PROBES if p not in recipe_probes.LOSSES)
   assert all(0 < out[p] < np.log(cfg.text.vocab_size) + 1 for p in recipe_probes.LOSSES)
+  stage_s, agreement = recipe.judge_report(os.path.dirname(workdirs["joint_rl"]))   # joint RL's judge
+  assert stage_s["stage_s"] > 0 and set(agreement) == {"greedy", "samples_1"}
 
 
 def test_the_report_says_what_each_stage_gained_kept_at_its_ceiling_or_forgot():
   fresh = {p: 5.0 if p in recipe_probes.LOSSES else 0.0 for p in recipe_probes.PROBES}
-  rows = {"init": fresh, "sft": {**fresh, "text_loss": 2.0, "arithmetic": 1.0, "image_tool": 0.3},
-          "joint_rl": {**fresh, "text_loss": 3.0, "arithmetic": 1.0, "image_tool": 0.2}}
+  rows = {"init": fresh, "sft": {**fresh, "text_loss": 2.0, "arithmetic": 1.0, "image_tool": 0.3, "description": 0.4},
+          "joint_rl": {**fresh, "text_loss": 3.0, "arithmetic": 1.0, "image_tool": 0.2, "description": 0.5}}
   trained, forgetting = recipe.changes(rows)
   verdicts = {(c["stage"], c["probe"]): (c["improved"], c["at_ceiling"]) for c in trained}
   assert verdicts == {("sft", "arithmetic"): (True, False), ("sft", "image_tool"): (True, False),
-                      ("joint_rl", "arithmetic"): (False, True), ("joint_rl", "image_tool"): (False, False)}
+                      ("sft", "description"): (True, False), ("joint_rl", "arithmetic"): (False, True),
+                      ("joint_rl", "image_tool"): (False, False), ("joint_rl", "description"): (True, False)}
   assert [(f["stage"], f["probe"]) for f in forgetting] == [("joint_rl", "text_loss")]
+
+
+def test_the_table_over_seeds_gives_mean_error_and_whether_a_gain_exceeds_the_noise():
+  fresh = {p: 5.0 if p in recipe_probes.LOSSES else 0.0 for p in recipe_probes.PROBES + recipe_probes.EXTRAS}
+  # per seed: sft's image_tool 0.3 / 0.5 / 0.4 (gain over init 0.4 ± 0.1/√3: improved), its
+  # arithmetic 0.1 / −0.1 / 0.0 over an init of 0.0 (0.0 ± 0.058: not distinguishable)
+  runs = [{"seed": s, "rows": {"init": fresh, "sft": {**fresh, "image_tool": image, "arithmetic": sums}}}
+          for s, (image, sums) in enumerate(((0.3, 0.1), (0.5, -0.1), (0.4, 0.0)))]
+  result = recipe_seeds.aggregate(runs)
+  assert result["seeds"] == [0, 1, 2]
+  mean, error = result["rows"]["sft"]["image_tool"]
+  assert mean == pytest.approx(0.4) and error == pytest.approx(0.1 / np.sqrt(3))
+  verdicts = {t["probe"]: t["verdict"] for t in result["trained"]}
+  assert verdicts == {"image_tool": "improved", "arithmetic": "not distinguishable", "description": "not distinguishable"}
+  assert "| sft | 5.000 ± 0.000 |" in recipe_seeds.markdown(result)
+  with pytest.raises(ValueError, match="stages differ"):
+    recipe_seeds.aggregate([runs[0], {"rows": {"init": fresh}}])
 
 
 if __name__ == "__main__":     # `ROOT`: the chain, for the fixture

@@ -1,0 +1,78 @@
+"""The recipe's table over seeds: `experiments/recipe.py` runs, one a seed, as mean ± standard error.
+
+    python experiments/recipe.py --seed 0 --root runs/recipe_s0 --out experiments/results/recipe_seed0   # and 1, 2
+    python experiments/recipe_seeds.py experiments/results/recipe_seed{0,1,2}.json --out experiments/results/recipe_seeds
+
+Per stage and probe, the mean over the seeds' runs and its standard error (s / √n); per probe a
+stage trains, the stage's gain over the row before it (losses: the drop), mean ± s.e. of the
+per-seed gains, and whether it exceeds the noise (mean > 2 s.e.: improved; < −2 s.e.: worse;
+else not distinguishable). Writes `<out>.json` and `<out>.md`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import recipe_probes  # noqa: E402
+import seed_stats  # noqa: E402
+from recipe import TRAINS, gain  # noqa: E402
+
+
+def aggregate(runs: list[dict]) -> dict:
+  """{"seeds", "rows": {stage: {probe: (mean, s.e.)}}, "trained": [{stage, probe, gain: (mean,
+  s.e.), verdict}]} of recipe.py results (the same stages, one seed each)."""
+  stages = list(runs[0]["rows"])
+  if any(list(r["rows"]) != stages for r in runs):
+    raise ValueError("the runs' stages differ: " + "; ".join(",".join(r["rows"]) for r in runs))
+  probes = recipe_probes.PROBES + recipe_probes.EXTRAS
+  rows = {s: {p: seed_stats.mean_and_error([r["rows"][s][p] for r in runs]) for p in probes} for s in stages}
+  trained = []
+  for before, stage in zip(stages, stages[1:]):
+    for probe in TRAINS[stage]:
+      mean, error = seed_stats.mean_and_error([gain(probe, r["rows"][before][probe], r["rows"][stage][probe])
+                                               for r in runs])
+      verdict = "improved" if mean > 2 * error else "worse" if mean < -2 * error else "not distinguishable"
+      trained.append(dict(stage=stage, probe=probe, gain=(mean, error), verdict=verdict))
+  return {"seeds": [r.get("seed", 0) for r in runs], "rows": rows, "trained": trained}
+
+
+def markdown(result: dict) -> str:
+  probes = recipe_probes.PROBES + recipe_probes.EXTRAS
+  lines = [f"{len(result['seeds'])} seeds {result['seeds']}: mean ± standard error", "",
+           "| after | " + " | ".join(probes) + " |", "|---" * (len(probes) + 1) + "|"]
+  lines += [f"| {stage} | " + " | ".join(f"{m:.3f} ± {e:.3f}" for m, e in (row[p] for p in probes)) + " |"
+            for stage, row in result["rows"].items()]
+  lines += ["", "Each stage's gain on the probes it trains (losses: the drop), over the row before it:", ""]
+  lines += [f"* {t['stage']}: {t['probe']} {t['gain'][0]:+.3f} ± {t['gain'][1]:.3f} ({t['verdict']})"
+            for t in result["trained"]]
+  return "\n".join(lines) + "\n"
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("results", nargs="+", help="recipe.py's <out>.json, one a seed")
+  parser.add_argument("--out", default="experiments/results/recipe_seeds")
+  args = parser.parse_args()
+  if len(args.results) < 2:
+    raise SystemExit("recipe_seeds.py: give two or more runs' JSON (one a seed)")
+  runs = []
+  for path in args.results:
+    with open(path) as f:
+      runs.append(json.load(f))
+  result = aggregate(runs)
+  result["results"] = args.results
+  with open(args.out + ".json", "w") as f:
+    json.dump(result, f, indent=1)
+  text = markdown(result)
+  with open(args.out + ".md", "w") as f:
+    f.write(text)
+  print(text)
+  print(f"wrote {args.out}.json and .md")
+
+
+if __name__ == "__main__":
+  main()
