@@ -7,12 +7,13 @@ each starting from the previous one's workdir (`init`), and probes the model aft
     vit             configs/vit.py                    MoonViT-3D + projector, the decoder frozen
     joint_pretrain  configs/pretrain.py:joint         10:90 vision:text tokens
     midtrain        configs/midtrain.py               long rows with YaRN
-    sft             configs/sft.py:tiny,arithmetic,   zero-vision SFT (+ 6,000 addition chats, 3,000 image →
-                    describe                          description chats; replay of pre-training: 500 rows
-                                                      of its text, 3,000 joint pre-training image samples;
-                                                      no tool trajectory with an image)
-    joint_rl        configs/rl.py:joint,toggle,       RL on text and image tasks by ability, Toggle on; the
-                    describe                          open descriptions rewarded by the recipe's judge
+    sft             configs/sft.py:tiny,arithmetic    zero-vision SFT (+ 6,000 addition chats; replay of
+                                                      pre-training: 500 rows of its text, 3,000 joint
+                                                      pre-training image samples; no SFT data with images)
+    joint_rl        configs/rl.py:joint,toggle,       RL on text and image tasks by ability, Toggle on; open
+                    describe                          descriptions of scenes (no SFT example has one: what
+                                                      the model knows of them is pre-training's captions)
+                                                      rewarded by the recipe's judge
     parl            configs/parl.py:tiny,chat         the agent swarm in the chat format: the decoder
                                                       fine-tuned on the scripted demonstrations
                                                       (warm_start.after_init, 200 steps at lr 3e-4), then 24
@@ -21,7 +22,9 @@ each starting from the previous one's workdir (`init`), and probes the model aft
 The judge of joint RL's generative reward model is a model of its own, trained beside the
 chain before joint RL (`judge_config`: configs/grm.py, SFT on judgements of descriptions from a
 fresh init; it speaks Kimi K2.5's chat format, the chain the legacy one, so it cannot start
-from the chain's vocabulary). The model is the tiny chat model of configs/sft.py (`common.TINY_CHAT_TEXT`: 268 ids,
+from the chain's vocabulary).
+
+The model is the tiny chat model of configs/sft.py (`common.TINY_CHAT_TEXT`: 268 ids,
 hidden 128, 2 layers; the tiny MoonViT-3D): the byte tokenizer with media tokens of the
 pre-training stages is a prefix of the chat tokenizer's ids, so one vocabulary serves all.
 The text stage and PARL train the decoder alone (`model_section`; PARL's tasks are text, and
@@ -61,7 +64,7 @@ def stage_configs(preset: str) -> dict[str, ml_collections.ConfigDict]:
   """Each stage's config (STAGES order), its model the recipe's and `init` empty."""
   configs = {"text_pretrain": pretrain.get_config("tiny"), "vit": vit.get_config("tiny"),
              "joint_pretrain": pretrain.get_config("joint"), "midtrain": midtrain.get_config("tiny"),
-             "sft": sft.get_config("tiny,arithmetic,describe"), "joint_rl": rl.get_config("joint,toggle,describe"),
+             "sft": sft.get_config("tiny,arithmetic"), "joint_rl": rl.get_config("joint,toggle,describe"),
              "parl": parl.get_config("tiny,chat")}
   for name, c in configs.items():
     c.model = model_section(name in K25_STAGES, preset)
@@ -70,10 +73,9 @@ def stage_configs(preset: str) -> dict[str, ml_collections.ConfigDict]:
   s = configs["sft"]
   # Against forgetting pre-training: 500 rows of its text and 3,000 of joint pre-training's image
   # samples (4 rows a step beside the 16 of SFT data); twice the addition chats, so that
-  # addition keeps its share of the rows beside the replay. The descriptions share the image
-  # rows with the replayed samples: 8 rows a step, so that the replay keeps its 4.
+  # addition keeps its share of the rows beside the replay.
   s.data.update(text_replay=500, vision_replay=3000, arithmetic_examples=6000)
-  s.train.visual_batch = 8
+  s.train.visual_batch = 4
   configs["joint_rl"].grm.checkpoint = JUDGE    # experiments/recipe.py: <root>/judge (`judge_config`)
   p = configs["parl"]
   p.warm_start.update(after_init=True, steps=200)   # the demonstrations fine-tune the chain's model
@@ -119,7 +121,7 @@ def shrink(configs: dict[str, ml_collections.ConfigDict]) -> None:
   mid.long_context.original_context = 128
   mid.data.update(max_doc_chars=1000, max_patches=256)
   s = configs["sft"]
-  s.data.update(trajectories=32, arithmetic_examples=32, describe_examples=32, text_replay=8, vision_replay=32)
+  s.data.update(trajectories=32, arithmetic_examples=32, text_replay=8, vision_replay=32)
   s.train.update(steps=2, batch=8, visual_batch=8, log_every=1, checkpoint_every=2)
   s.sandbox.sessions = 4
   s.eval.update(tasks=2, max_turns=1, max_context=320, turn_tokens=8, settings="text_tool")

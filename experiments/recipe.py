@@ -14,11 +14,13 @@ finished (`<root>/<stage>/recipe_stage.json`) is not run again, so the command r
 a root whose first stages link to another root's runs an ablation of the later ones:
 `--set sft.optimizer.name=adamw`).
 
-`--set judge.section.field=value` overrides a field of the judge's config.
+`--set judge.section.field=value` overrides a field of the judge's config; `--seed N` sets
+every stage's training seeds (`seed_overrides`; `experiments/recipe_seeds.py` tables the seeds).
 
 Writes `<out>.json` (the stage × probe table, the time of every stage and its probes, which
-probes each stage trains, the judge's agreement with the hidden rubric), `<out>.md` (the table, each stage's change on the probes it trains,
-and where a later stage lowers an earlier stage's probe) and `<out>.png`.
+probes each stage trains, the judge's agreement with the hidden rubric), `<out>.md` (the
+table, each stage's change on the probes it trains, and where a later stage lowers an
+earlier stage's probe) and `<out>.png`.
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ STAGE_MODULES = {"text_pretrain": "pretrain", "vit": "vit", "joint_pretrain": "p
 # The probes each stage trains (the ones it must improve over the checkpoint it started from).
 TRAINS = {"text_pretrain": ("text_loss",), "vit": ("caption_loss", "count_loss"),
           "joint_pretrain": ("text_loss", "caption_loss", "count_loss"), "midtrain": ("long_text_loss",),
-          "sft": ("image_tool", "arithmetic", "description"), "joint_rl": ("arithmetic", "image_tool", "description"),
+          "sft": ("image_tool", "arithmetic"), "joint_rl": ("arithmetic", "image_tool", "description"),
           "parl": ("parl_item_f1",)}
 LOWER_IS_BETTER = recipe_probes.LOSSES
 

@@ -1,7 +1,8 @@
 """The recipe's table over seeds: `experiments/recipe.py` runs, one a seed, as mean ± standard error.
 
     python experiments/recipe.py --seed 0 --root runs/recipe_s0 --out experiments/results/recipe_seed0   # and 1, 2
-    python experiments/recipe_seeds.py experiments/results/recipe_seed{0,1,2}.json --out experiments/results/recipe_seeds
+    python experiments/recipe_seeds.py experiments/results/recipe_seed{0,1,2}.json \
+        --out experiments/results/recipe_seeds
 
 Per stage and probe, the mean over the seeds' runs and its standard error (s / √n); per probe a
 stage trains, the stage's gain over the row before it (losses: the drop), mean ± s.e. of the
