@@ -80,6 +80,8 @@ def get_config(arg=None):
       anneal_steps=40, anneal_kind="linear",
       parallel_cap=2,              # r_parallel = min(#sub-agents, cap) / cap: near-binary
       subagent_checkpoint="",      # frozen sub-agents' checkpoint ('' = the orchestrator's start)
+      subagent_failure=0.0,        # probability a sub-agent's hand-back is lost (widesearch.Episode)
+      subagent_step_cost=1,        # critical steps a sub-agent step takes
       # what the model reads and writes: the DSL's ids, k25jax's own chat format or Kimi K2.5's
       rendering="k2.5" if k25_format else "chat" if chat else "dsl",
       orchestrator_turn_tokens=224 if k25_format else 88 if chat else 24,

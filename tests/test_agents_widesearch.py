@@ -133,6 +133,40 @@ def test_scripted_policies_solve_every_wide_split_when_the_budget_allows():
       assert result.num_finished == result.num_assigned == min(k, n)
 
 
+def test_lost_hand_backs_leave_their_rows_unobserved_and_their_sub_tasks_unfinished():
+  task = ws.make_task(105, kind="wide", n=6)
+  # every hand-back lost: the orchestrator observes no row of its two sub-agents, answers with nothing
+  lost = ws.run_episode(task, ws.ScriptedOrchestrator(2), budget=5, subagent_failure=1.0, rng=np.random.default_rng(0))
+  assert (lost.num_lost, lost.num_finished, lost.num_assigned) == (2, 0, 2)
+  assert lost.score.item_recall == 0.0 and lost.metrics()["num_lost"] == 2.0
+  # none lost (p = 0, no rng needed): the same episode as without the option
+  kept = ws.run_episode(task, ws.ScriptedOrchestrator(2), budget=5, subagent_failure=0.0)
+  assert kept.num_lost == 0 and kept.score.success and kept.num_finished == 2
+  # p = 0.5 over many episodes: about half the hand-backs lost, drawn from the episode's rng
+  rng = np.random.default_rng(1)
+  results = [ws.run_episode(task, ws.ScriptedOrchestrator(2), budget=5, subagent_failure=0.5, rng=rng)
+             for _ in range(200)]
+  share = sum(r.num_lost for r in results) / sum(r.num_assigned for r in results)
+  assert 0.4 < share < 0.6
+  with pytest.raises(ValueError, match="rng"):
+    ws.Episode(task, subagent_failure=0.5)
+  with pytest.raises(ValueError, match="subagent_step_cost"):
+    ws.Episode(task, subagent_step_cost=0)
+
+
+def test_costlier_sub_agent_steps_take_that_many_critical_steps():
+  n, k = 6, 2
+  task = ws.make_task(106, kind="wide", n=n)
+  # each of the 2 sub-agents needs 3 lookups: at cost 2 they take 6 critical steps, 1 + 6 + 1 in all
+  result = ws.run_episode(task, ws.ScriptedOrchestrator(k), budget=8, subagent_step_cost=2)
+  assert result.score.success and result.critical_steps == 1 + 2 * math.ceil(n / k) + 1
+  # a budget one short: (7 − 0 − 2) // 2 = 2 steps each (2 of 3 lookups per sub-agent, a stage of
+  # 1 + 4 critical steps), then the orchestrator's own lookup in the step before its answer: 5 of 6
+  short = ws.run_episode(task, ws.ScriptedOrchestrator(k), budget=7, subagent_step_cost=2)
+  assert short.trace.stages[0] == {0: 4, 1: 4} and short.critical_steps == 7
+  assert short.score.item_recall == pytest.approx(5 / 6)
+
+
 @pytest.mark.parametrize("n", [4, 8])
 def test_scripted_policies_get_partial_f1_when_truncated(n):
   task = ws.make_task(7, kind="wide", n=n)

@@ -21,7 +21,9 @@ CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("warm_start.capability_share", -0.1, "warm_start.capability_share=-0.1: must be a number in [0, 1]"),
     ("warm_start.subagent_rows", -1, "warm_start.subagent_rows=-1: must be an integer >= 0"),
     ("parl.budget_range", (3, 17), "parl.budget_range=(3, 17) must be (lo, hi) with 2 <= lo <= hi <= 16"),
-    ("parl.n_range", (9, 8), "parl.n_range=(9, 8) must be (lo, hi) with 1 <= lo <= hi <= 32")])
+    ("parl.n_range", (9, 8), "parl.n_range=(9, 8) must be (lo, hi) with 1 <= lo <= hi <= 32"),
+    ("parl.subagent_failure", 1.5, "parl.subagent_failure=1.5: must be a number in [0, 1]"),
+    ("parl.subagent_step_cost", 0, "parl.subagent_step_cost=0: must be a positive integer")])
 def test_bad_parl_fields_fail_naming_them(field, value, message):
   from configs import parl as parl_config
   from k25jax.stages import parl

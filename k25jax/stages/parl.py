@@ -75,7 +75,10 @@ def play(config, model_cfg, orch_params, sub_params, tasks, *, greedy: bool, sol
   """Plays one episode per task (the orchestrator sampled, or greedy); returns (results, runtime, wall s)."""
   runtime = swarm.Swarm(policies(config, model_cfg, orch_params, sub_params, greedy=greedy, solo=solo), seed)
   start = time.perf_counter()
-  results = runtime.run([widesearch.Episode(t, rendering=rendering(config)) for t in tasks])
+  p = config.parl
+  results = runtime.run([widesearch.Episode(t, rendering=rendering(config), subagent_failure=p.subagent_failure,
+                                            subagent_step_cost=p.subagent_step_cost, rng=np.random.default_rng([seed, i]))
+                         for i, t in enumerate(tasks)])
   return results, runtime, time.perf_counter() - start
 
 
@@ -97,7 +100,7 @@ def rewards(config, iteration: int, results) -> tuple[np.ndarray, dict]:
 
 WIDTH_BUCKETS = ((2, 7), (8, 15), (16, 24))   # wide tasks by entities asked; "wide8plus" joins the last two
 SUMMARY_METRICS = ("item_f1", "row_f1", "success", "num_created", "num_assigned", "num_finished", "num_idle",
-                   "critical_steps", "forced", "errors_orch", "errors_sub")
+                   "num_lost", "critical_steps", "forced", "errors_orch", "errors_sub")
 
 
 def task_groups(task) -> tuple[str, ...]:

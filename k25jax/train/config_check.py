@@ -56,7 +56,8 @@ RULES = {
         "visual_examples", "sessions", "train_prompts", "eval_prompts", "max_new_tokens", "turn_tokens", "max_turns",
         "max_context", "eval_samples", "budget_samples", "max_patches", "image_size", "max_doc_chars", "max_length",
         "orchestrator_turn_tokens", "subagent_turn_tokens", "eval_tasks", "parallel_cap", "output_chars",
-        "memory_mb", "ns_steps", "original_context", "eval.tasks", "toggle.m", "anneal_steps")},
+        "memory_mb", "ns_steps", "original_context", "eval.tasks", "toggle.m", "anneal_steps",
+        "subagent_step_cost")},
     **{name: NON_NEGATIVE_INT for name in (
         "eval_batches", "vision_eval_batches", "warmup_steps", "decay_steps", "seed", "eval_seed", "visual_batch",
         "projector_only_from", "top_k", "subagent_rows", "text_replay", "vision_replay")},
@@ -68,7 +69,7 @@ RULES = {
         "checkpoint_minutes")},
     **{name: FRACTION for name in (
         "final_lr_ratio", "accuracy_threshold", "vision_ratio", "deep_fraction", "p_scratch", "p_check",
-        "p_two_calls", "delegation_share", "capability_share")},
+        "p_two_calls", "delegation_share", "capability_share", "subagent_failure")},
     **{name: BELOW_ONE for name in ("b1", "b2", "momentum", "vision_start")},
     "top_p": _rule(lambda v: _real(v) and 0 < v <= 1, "a number in (0, 1]"),
     "rho": _rule(lambda v: _real(v) and 0 < v <= 100, "a percentile in (0, 100]"),

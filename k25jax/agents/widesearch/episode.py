@@ -16,6 +16,13 @@ ends that agent with an empty answer (code `no_answer`). The partial table is sc
 With budget B: the orchestrator alone answers B − 1 lookups, each sub-agent started in the
 first stage B − 2.
 
+Weaker or costlier sub-agents (the setting of the λ ablation, where the paper's sub-agents
+are frozen at an intermediate checkpoint): with `subagent_failure` = p each finished
+sub-agent's hand-back is lost with probability p (drawn from the episode's `rng`; the
+orchestrator observes none of its rows, and the sub-task counts as not finished), and with
+`subagent_step_cost` = c each sub-agent step takes c critical steps (S_sub,i^t = c × its
+tool turns; a sub-agent started with s steps left may take (s − 2) // c).
+
 Driving an episode (the swarm runtime batches `requests()` of many episodes):
 
     episode = Episode(task)                       # or Episode(task, budget=B): the task under budget B;
@@ -133,6 +140,7 @@ class EpisodeResult:
   errors: dict[str, collections.Counter]
   orchestrator: AgentTranscript
   subagents: list[AgentTranscript]
+  num_lost: int = 0     # hand-backs lost (`subagent_failure`)
 
   @property
   def critical_steps(self) -> int:
@@ -144,7 +152,7 @@ class EpisodeResult:
     out.update(row_f1=self.score.row_f1, success=float(self.score.success),
                critical_steps=float(self.critical_steps), forced=float(self.forced),
                num_created=float(self.num_created), num_assigned=float(self.num_assigned),
-               num_finished=float(self.num_finished), num_idle=float(self.num_idle),
+               num_finished=float(self.num_finished), num_idle=float(self.num_idle), num_lost=float(self.num_lost),
                errors_orch=float(sum(self.errors["orch"].values())),
                errors_sub=float(sum(self.errors["sub"].values())))
     return out
@@ -171,14 +179,22 @@ class Episode:
   """
 
   def __init__(self, task: Task, *, budget: int | None = None, max_subagent_steps: int | None = None,
-               rendering: Rendering | None = None):
+               rendering: Rendering | None = None, subagent_failure: float = 0.0, subagent_step_cost: int = 1,
+               rng: np.random.Generator | None = None):
     budget = task.budget if budget is None else int(budget)
     if budget < 2:
       raise ValueError(f"budget={budget}: an episode needs at least 2 critical steps (a step and the answer)")
     if max_subagent_steps is not None and max_subagent_steps < 1:
       raise ValueError(f"max_subagent_steps={max_subagent_steps} must be >= 1")
+    if not 0.0 <= subagent_failure <= 1.0 or subagent_step_cost < 1:
+      raise ValueError(f"subagent_failure={subagent_failure} must lie in [0, 1] and subagent_step_cost="
+                       f"{subagent_step_cost} be >= 1")
+    if subagent_failure > 0 and rng is None:
+      raise ValueError("subagent_failure > 0 draws from the episode's rng: pass one")
     self.task = task if budget == task.budget else task.with_budget(budget)
     self.max_subagent_steps = max_subagent_steps
+    self.subagent_failure, self.subagent_step_cost, self.rng = subagent_failure, int(subagent_step_cost), rng
+    self.num_lost = 0
     self.rendering = DSLRendering() if rendering is None else rendering
     self.trace = StepTrace()
     self.orchestrator = AgentTranscript("orch", "main", 0)
@@ -293,7 +309,7 @@ class Episode:
     return [(needed[0], self.task.lookup(needed[0], call.attribute))]
 
   def _start_subagent(self, call: tools.AssignTask) -> None:
-    allowance = self.budget - self.used_steps - 2
+    allowance = (self.budget - self.used_steps - 2) // self.subagent_step_cost
     if self.max_subagent_steps is not None:
       allowance = min(allowance, self.max_subagent_steps)
     if allowance < 1:
@@ -327,8 +343,13 @@ class Episode:
       self._close_stage()
 
   def _close_stage(self) -> None:
-    """Records the stage's steps and writes the orchestrator's observation."""
-    self.trace.add_stage({slot: run.steps for slot, run in self._runs.items()})
+    """Records the stage's steps, loses hand-backs (`subagent_failure`) and writes the
+    orchestrator's observation."""
+    self.trace.add_stage({slot: run.steps * self.subagent_step_cost for slot, run in self._runs.items()})
+    for run in self._runs.values():
+      if run.rows is not None and self.subagent_failure and self.rng.random() < self.subagent_failure:
+        run.rows = None
+        self.num_lost += 1
     rows = [row for run in self._runs.values() if run.rows for row in run.rows] + self._main_rows
     self.num_finished += sum(run.finished for run in self._runs.values())
     self._runs = {}
@@ -343,4 +364,4 @@ class Episode:
     score = score_table(table_rows(self.prediction, column), table_rows(self.task.gold, column))
     return EpisodeResult(self.task, self.prediction, score, self.trace, self.forced, len(self.created),
                          self.num_assigned, self.num_finished, len(set(self.created) - self._ever_assigned),
-                         self.errors, self.orchestrator, list(self.subagents))
+                         self.errors, self.orchestrator, list(self.subagents), self.num_lost)

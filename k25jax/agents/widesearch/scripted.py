@@ -75,13 +75,12 @@ class SerialOrchestrator:
     return tools.render_turn([_solo_call(view)])
 
 
-def run_episode(task: Task, orchestrator: Policy, subagent: Policy = solo_policy, *,
-                budget: int | None = None, max_subagent_steps: int | None = None,
-                rendering: Rendering | None = None) -> EpisodeResult:
-  """Drives one episode with plain callables (DSL context ids → DSL turn ids) until it ends
-  (under the task's budget unless `budget` is given); the transcripts are in `rendering`
-  (default the DSL's), each turn rendered as the model would write it."""
-  episode = Episode(task, budget=budget, max_subagent_steps=max_subagent_steps, rendering=rendering)
+def run_episode(task: Task, orchestrator: Policy, subagent: Policy = solo_policy, **episode_options) -> EpisodeResult:
+  """Drives one episode with plain callables (DSL context ids → DSL turn ids) until it ends;
+  `episode_options` are `Episode`'s (budget: the task's unless given; rendering: the DSL's
+  unless given, each turn rendered as the model would write it; the sub-agents' failure and
+  step cost)."""
+  episode = Episode(task, **episode_options)
   while not episode.done:
     for request in episode.requests():
       policy = orchestrator if request.role == "orch" else subagent
