@@ -126,8 +126,7 @@ def ordering(results: dict) -> str:
   """Whether early ≥ mid ≥ late held on each metric (lower loss / higher accuracy is better)."""
   names = list(SETTINGS)
   verdicts = []
-  for metric, better_high in (("count_accuracy", True), ("count_answer_loss", False),
-                              ("caption_answer_loss", False), ("text_loss", False)):
+  for metric, better_high in METRICS:
     values = [results[n]["final"][metric] for n in names]
     if max(values) - min(values) < 1e-6:
       verdicts.append(f"{metric}: a tie ({values[0]:.4f})")
