@@ -165,7 +165,9 @@ def verdict(pair: dict | None) -> str:
 
 
 def table(summary: dict) -> str:
-  cells = lambda stats, key: "–" if key not in stats else f"{stats[key][0]:.3f} ± {stats[key][1]:.3f}"
+  # "–": no SFT, or (NaN) an arm that made no tool call in some seed
+  cells = lambda stats, key: "–" if key not in stats or stats[key][0] != stats[key][0] else \
+      f"{stats[key][0]:.3f} ± {stats[key][1]:.3f}"
   keys = ("sft_accuracy", "sft_tool_call_success", "rl_start_accuracy", "rl_final_accuracy",
           "rl_final_tool_call_success")
   lines = [f"{len(summary['seeds'])} seeds {summary['seeds']}: mean ± standard error (held-out image + tool tasks)",
