@@ -93,19 +93,9 @@ def stage_configs(preset: str) -> dict[str, ml_collections.ConfigDict]:
 
 
 def judge_config(preset: str) -> ml_collections.ConfigDict:
-  """The judge of joint RL's descriptions: configs/grm.py (the test preset: the test model with
-  the judge's vocabulary, two steps on a few judgements)."""
-  c = grm.get_config("tiny")
-  if preset == "test":
-    c.model = common.k25_model_section("tiny", **dict(TEST_TEXT, vocab_size=common.K25_FORMAT_VOCAB_SIZE,
-                                                      max_position_embeddings=512))
-    c.model.vision.num_hidden_layers = 1
-    c.data.update(judgements=32, eval_judgements=8)
-    c.train.update(steps=2, visual_batch=8, eval_every=2, log_every=1, checkpoint_every=2)
-    c.optimizer.update(warmup_steps=1, decay_steps=1)
-    c.eval.update(judge_tasks=4, judge_samples="1")
-    c.grm.max_new_tokens = 16
-  return c
+  """The judge of joint RL's descriptions: configs/grm.py (the test preset: configs/grm.py:test,
+  a one-layer judge trained two steps)."""
+  return grm.get_config(preset)
 
 
 def shrink(configs: dict[str, ml_collections.ConfigDict]) -> None:

@@ -93,17 +93,22 @@ def run_sft(start: str, base_dir: str, args) -> dict:
     return json.load(f)
 
 
-def run_rl(start: str, start_dir: str, tool: str, args) -> list[dict]:
-  workdir = os.path.join(args.root, "rl", start, tool)
+def rl_curves(config, workdir: str) -> dict:
+  """{"history": the logged rows of `rl_vision.run(config, workdir)`, "minutes": its time}, from
+  workdir/curves.json once the run has finished (then it is not run again)."""
   path = os.path.join(workdir, "curves.json")
   if not os.path.exists(path):
     t0 = time.perf_counter()
-    _, history = rl_vision.run(rl_config(start_dir, tool, args), workdir)
+    _, history = rl_vision.run(config, workdir)
     curves = [{k: v for k, v in h.items() if isinstance(v, (int, float, str))} for h in history]
     with open(path, "w") as f:
       json.dump({"history": curves, "minutes": (time.perf_counter() - t0) / 60}, f, indent=1)
   with open(path) as f:
-    return json.load(f)["history"]
+    return json.load(f)
+
+
+def run_rl(start: str, start_dir: str, tool: str, args) -> list[dict]:
+  return rl_curves(rl_config(start_dir, tool, args), os.path.join(args.root, "rl", start, tool))["history"]
 
 
 def summarize(curves: dict) -> dict:

@@ -50,8 +50,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import recipe  # noqa: E402
 import seed_stats  # noqa: E402
+import zero_vision  # noqa: E402
 from configs import rl as rl_configs  # noqa: E402
-from k25jax.stages import rl_vision, sft  # noqa: E402
+from k25jax.stages import sft  # noqa: E402
 from k25jax.train import config_utils  # noqa: E402
 
 ARMS = ("zero_vision", "text_vision", "no_sft")
@@ -110,16 +111,7 @@ def run_sft(arm: str, seed: int, base_dir: str, args) -> tuple[str, dict]:
 
 def run_rl(arm: str, seed: int, start_dir: str, args) -> dict:
   """{"history": the RL's logged rows, "minutes"}; the eval rows carry the held-out metrics."""
-  workdir = os.path.join(args.root, f"seed{seed}", "rl", arm)
-  path = os.path.join(workdir, "curves.json")
-  if not os.path.exists(path):
-    start = time.perf_counter()
-    _, history = rl_vision.run(rl_config(start_dir, seed, args), workdir)
-    rows = [{k: v for k, v in h.items() if isinstance(v, (int, float, str))} for h in history]
-    with open(path, "w") as f:
-      json.dump({"history": rows, "minutes": (time.perf_counter() - start) / 60}, f, indent=1)
-  with open(path) as f:
-    return json.load(f)
+  return zero_vision.rl_curves(rl_config(start_dir, seed, args), os.path.join(args.root, f"seed{seed}", "rl", arm))
 
 
 def run_arm(arm: str, seed: int, base_dir: str, args) -> dict:

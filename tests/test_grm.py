@@ -60,11 +60,7 @@ def test_bad_sections_name_their_field(field, value, message):
 
 
 def _tiny_judge():
-  config = load_config("configs/grm.py")
-  config.model.text.update(num_hidden_layers=1, hidden_size=32, q_lora_rank=16, kv_lora_rank=16, intermediate_size=64,
-                           moe_intermediate_size=32, num_attention_heads=2, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                           v_head_dim=8)
-  config.model.vision.num_hidden_layers = 1
+  config = load_config("configs/grm.py", "test")
   tok = tokenizer.ByteTokenizer(media=True, chat=True)
   cfg = config_utils.k25_config_from(config.model, tok)
   return saved_model.SavedModel(cfg, k25.init_params(cfg, jax.random.PRNGKey(0)), tok, "workdir")

@@ -14,10 +14,6 @@ from k25jax.rl import grm
 from k25jax.stages import rl_vision, sft
 from k25jax.train import hf_export
 
-MICRO_JUDGE = dict(num_hidden_layers=1, hidden_size=32, q_lora_rank=16, kv_lora_rank=16, intermediate_size=64,
-                   moe_intermediate_size=32, num_attention_heads=2, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                   v_head_dim=8)
-
 
 class _Judge:
   """Scores each description by a fixed rule (its length), as a grm.Judge's `judge` returns."""
@@ -62,14 +58,7 @@ def test_a_describe_run_needs_a_judge_or_the_rubric():
 
 @pytest.mark.slow
 def test_a_judge_trained_here_rewards_descriptions_in_joint_rl(tmp_path):
-  judge = load_config("configs/grm.py")
-  judge.model.text.update(MICRO_JUDGE)
-  judge.model.vision.num_hidden_layers = 1
-  judge.data.update(judgements=32, eval_judgements=8)
-  judge.train.update(steps=2, visual_batch=8, eval_every=2, log_every=1, checkpoint_every=2)
-  judge.optimizer.update(warmup_steps=1, decay_steps=1)
-  judge.eval.update(judge_tasks=4, judge_samples="1")
-  judge.grm.max_new_tokens = 16
+  judge = load_config("configs/grm.py", "test")
   _, history = sft.run(judge, str(tmp_path / "judge"))
   with open(tmp_path / "judge" / "sft_eval.json") as f:
     results = json.load(f)
