@@ -76,9 +76,10 @@ def play(config, model_cfg, orch_params, sub_params, tasks, *, greedy: bool, sol
   runtime = swarm.Swarm(policies(config, model_cfg, orch_params, sub_params, greedy=greedy, solo=solo), seed)
   start = time.perf_counter()
   p = config.parl
-  results = runtime.run([widesearch.Episode(t, rendering=rendering(config), subagent_failure=p.subagent_failure,
-                                            subagent_step_cost=p.subagent_step_cost, rng=np.random.default_rng([seed, i]))
-                         for i, t in enumerate(tasks)])
+  episodes = [widesearch.Episode(t, rendering=rendering(config), subagent_failure=p.subagent_failure,
+                                 subagent_step_cost=p.subagent_step_cost, rng=np.random.default_rng([seed, i]))
+              for i, t in enumerate(tasks)]
+  results = runtime.run(episodes)
   return results, runtime, time.perf_counter() - start
 
 
