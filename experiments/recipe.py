@@ -77,12 +77,17 @@ def init_from(config: ml_collections.ConfigDict, workdir: str) -> None:
   config.init.update(init_fields("vision" in config.model, workdir))
 
 
+def judged(config: ml_collections.ConfigDict) -> bool:
+  """Whether a judge rewards the stage (its `grm.checkpoint` is set)."""
+  return "grm" in config and bool(config.grm.checkpoint)
+
+
 def start_from(config: ml_collections.ConfigDict, previous: str | None, judge: str | None) -> None:
   """Points `config` at the runs it starts from: the previous stage's (`init_from`), and where a
-  judge rewards it (`grm.checkpoint` set), the recipe's judge (`judge`'s workdir)."""
+  judge rewards it (`judged`), the recipe's judge (`judge`'s workdir)."""
   if previous is not None:
     init_from(config, previous)
-  if "grm" in config and config.grm.checkpoint:
+  if judged(config):
     config.grm.checkpoint = judge
 
 
@@ -201,7 +206,7 @@ def run_chain(preset: str, root: str, probes: recipe_probes.Probes | None = None
       stale = probes is not None and set(recipe_probes.PROBES + recipe_probes.EXTRAS) - measured   # added since
     else:
       config = configs[name]
-      if "grm" in config and config.grm.checkpoint and judge is None:
+      if judged(config) and judge is None:
         judge = run_judge(preset, root, overrides)
       start_from(config, previous, judge)
       start = time.time()
@@ -216,10 +221,10 @@ def run_chain(preset: str, root: str, probes: recipe_probes.Probes | None = None
       rows[name] = done["probes"]
     times[name] = {k: done[k] for k in ("stage_s", "probe_s") if k in done}
     previous = workdir
-  judged = judge_report(root)
-  if judged is not None:
-    times[recipe_config.JUDGE] = judged[0]
-  return {"rows": rows, "time_s": times, "judge": judged[1] if judged else None}
+  report = judge_report(root)
+  if report is not None:
+    times[recipe_config.JUDGE] = report[0]
+  return {"rows": rows, "time_s": times, "judge": report[1] if report else None}
 
 
 def seed_overrides(seed: int) -> tuple[str, ...]:
@@ -228,7 +233,7 @@ def seed_overrides(seed: int) -> tuple[str, ...]:
   stages and the probes keep their own seeds, so every seed is measured on the same tasks, and
   the judge is the same reward model for every seed (a root whose `judge` links to a finished
   one reuses it)."""
-  return tuple([f"{name}.train.seed={seed}" for name in STAGES] + ["sft.data.seed=" + str(seed),
+  return tuple([f"{name}.train.seed={seed}" for name in STAGES] + [f"sft.data.seed={seed}",
                                                                    f"parl.warm_start.seed={seed}"])
 
 

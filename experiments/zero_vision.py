@@ -82,15 +82,20 @@ def run_base(args) -> str:
   return workdir
 
 
-def run_sft(start: str, base_dir: str, args) -> dict:
-  workdir = os.path.join(args.root, start)
+def sft_results(config, workdir: str) -> dict:
+  """The held-out evaluation of `sft.run(config, workdir)` (workdir/sft_eval.json), run only
+  when that file is not there yet."""
   path = os.path.join(workdir, "sft_eval.json")
   if not os.path.exists(path):
     t0 = time.perf_counter()
-    sft.run(sft_config(start, base_dir, args), workdir)
-    logging.info("zero_vision: %s SFT took %.1f min", start, (time.perf_counter() - t0) / 60)
+    sft.run(config, workdir)
+    logging.info("SFT in %s took %.1f min", workdir, (time.perf_counter() - t0) / 60)
   with open(path) as f:
     return json.load(f)
+
+
+def run_sft(start: str, base_dir: str, args) -> dict:
+  return sft_results(sft_config(start, base_dir, args), os.path.join(args.root, start))
 
 
 def rl_curves(config, workdir: str) -> dict:

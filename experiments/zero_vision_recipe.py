@@ -52,7 +52,6 @@ import recipe  # noqa: E402
 import seed_stats  # noqa: E402
 import zero_vision  # noqa: E402
 from configs import rl as rl_configs  # noqa: E402
-from k25jax.stages import sft  # noqa: E402
 from k25jax.train import config_utils  # noqa: E402
 
 ARMS = ("zero_vision", "text_vision", "no_sft")
@@ -100,13 +99,7 @@ def rl_config(start_dir: str, seed: int, args):
 def run_sft(arm: str, seed: int, base_dir: str, args) -> tuple[str, dict]:
   """(the SFT's workdir, its held-out evaluation: {setting: {accuracy, tool_call_success, ...}})."""
   workdir = os.path.join(args.root, f"seed{seed}", arm)
-  path = os.path.join(workdir, "sft_eval.json")
-  if not os.path.exists(path):
-    start = time.perf_counter()
-    sft.run(sft_config(arm, seed, base_dir, args), workdir)
-    logging.info("zero_vision_recipe: %s SFT, seed %d: %.1f min", arm, seed, (time.perf_counter() - start) / 60)
-  with open(path) as f:
-    return workdir, json.load(f)
+  return workdir, zero_vision.sft_results(sft_config(arm, seed, base_dir, args), workdir)
 
 
 def run_rl(arm: str, seed: int, start_dir: str, args) -> dict:
