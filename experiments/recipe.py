@@ -1,6 +1,7 @@
 """Experiment: the K2.5 recipe on ONE tiny model, every stage from the previous stage's checkpoint.
 
-    python experiments/recipe.py [--preset tiny|test --root runs/recipe --out experiments/results/recipe]
+    python experiments/recipe.py [--preset tiny|test --root runs/recipe --out experiments/results/recipe
+                                  --seed N --last STAGE --judge_only]
 
 Runs the stages of `configs/recipe.py` in order — text pre-training → ViT → joint pre-training
 (10:90) → mid-training (YaRN) → zero-vision SFT → joint RL with Toggle and the GRM → PARL — each in
@@ -25,6 +26,7 @@ earlier stage's probe) and `<out>.png`.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib
 import json
 import os
@@ -101,14 +103,20 @@ def judge_config(preset: str, overrides: tuple[str, ...] = ()) -> ml_collections
 
 def run_judge(preset: str, root: str, overrides: tuple[str, ...] = ()) -> str:
   """The judge's workdir, <root>/judge, trained there unless finished (its recipe_stage.json:
-  the training's time)."""
+  the training's time). Chains of several seeds run at once share one judge (their roots'
+  `judge` links to one workdir): a lock beside the judge's real directory lets one of them train
+  it while the others wait, then read it."""
   workdir = os.path.join(root, recipe_config.JUDGE)
   record = os.path.join(workdir, "recipe_stage.json")
-  if not os.path.exists(record):
-    start = time.time()
-    sft.run(judge_config(preset, overrides), workdir)
-    with open(record, "w") as f:
-      json.dump({"stage_s": time.time() - start}, f)
+  lock_path = os.path.realpath(workdir) + ".lock"
+  os.makedirs(os.path.dirname(lock_path), exist_ok=True)
+  with open(lock_path, "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not os.path.exists(record):
+      start = time.time()
+      sft.run(judge_config(preset, overrides), workdir)
+      with open(record, "w") as f:
+        json.dump({"stage_s": time.time() - start}, f)
   return workdir
 
 
@@ -322,14 +330,21 @@ def main():
   parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "recipe"))
   parser.add_argument("--probe_tasks", type=int, default=32, help="held-out rollout tasks per probe")
   parser.add_argument("--seed", type=int, default=0, help="every stage's training seeds (`seed_overrides`)")
+  parser.add_argument("--last", default=STAGES[-1], choices=STAGES,
+                      help="stop after this stage (a later run with the same --root resumes from it)")
+  parser.add_argument("--judge_only", action="store_true",
+                      help="train the judge in <root>/judge (unless finished) and stop")
   parser.add_argument("--set", action="append", default=[], metavar="STAGE.SECTION.FIELD=VALUE",
                       help="override a stage's config field, e.g. --set sft.optimizer.name=adamw (repeatable)")
   args = parser.parse_args()
   overrides = seed_overrides(args.seed) + tuple(args.set)
+  if args.judge_only:
+    print(f"judge: {run_judge(args.preset, args.root, overrides)}")
+    return
   configs = stage_configs(args.preset, overrides)
   probes = recipe_probes.Probes(configs["sft"], configs["parl"], tasks=args.probe_tasks)
   start = time.time()
-  result = run_chain(args.preset, args.root, probes, overrides)
+  result = run_chain(args.preset, args.root, probes, overrides, last=args.last)
   result.update(preset=args.preset, seed=args.seed, overrides=args.set, trains=TRAINS, wall_s=time.time() - start,
                 devices=jax.device_count())
   result["trained"], result["forgetting"] = changes(result["rows"])
