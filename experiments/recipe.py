@@ -1,15 +1,16 @@
 """Experiment: the K2.5 recipe on ONE tiny model, every stage from the previous stage's checkpoint.
 
     python experiments/recipe.py [--preset tiny|test --root runs/recipe --out experiments/results/recipe
-                                  --seed N --last STAGE --judge_only]
+                                  --seed N --last STAGE --judge_only --k25_format]
 
 Runs the stages of `configs/recipe.py` in order — text pre-training → ViT → joint pre-training
 (10:90) → mid-training (YaRN) → zero-vision SFT → joint RL with Toggle and the GRM → PARL — each in
 `<root>/<stage>`, its `init` the previous stage's workdir (`init_from`: `init.checkpoint`, or
 `init.text_checkpoint` where a K2.5 stage follows the text-only one). Mid-training's YaRN rope
 is carried on to the stages after it. Joint RL's judge (`configs/recipe.py: judge_config`) is
-trained in `<root>/judge` before joint RL, from a fresh init. Before the first stage (a fresh K2.5 model) and after
-every stage the same held-out probes measure the model (`recipe_probes.PROBES`); after PARL,
+trained in `<root>/judge` before joint RL, from a fresh init (with `--k25_format`: the chain in
+Kimi K2.5's chat format, the judge the chain's model from mid-training's run). Before the first
+stage (a fresh K2.5 model) and after every stage the same held-out probes measure the model (`recipe_probes.PROBES`); after PARL,
 which trains the decoder alone, the K2.5 model is joint RL's with PARL's decoder. A stage that
 finished (`<root>/<stage>/recipe_stage.json`) is not run again, so the command resumes (and
 a root whose first stages link to another root's runs an ablation of the later ones:
@@ -17,6 +18,7 @@ a root whose first stages link to another root's runs an ablation of the later o
 
 `--set judge.section.field=value` overrides a field of the judge's config; `--seed N` sets
 every stage's training seeds (`seed_overrides`; `experiments/recipe_seeds.py` tables the seeds).
+`--last STAGE` stops after a stage (a later run resumes), `--judge_only` trains the judge alone.
 
 Writes `<out>.json` (the stage × probe table, the time of every stage and its probes, which
 probes each stage trains, the judge's agreement with the hidden rubric), `<out>.md` (the
@@ -46,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import recipe_probes  # noqa: E402
 from configs import common, recipe as recipe_config  # noqa: E402
-from k25jax.data import legacy_chat as chat  # noqa: E402
+from k25jax.data import legacy_chat as chat, tokenizer  # noqa: E402
 from k25jax.model import k25  # noqa: E402
 from k25jax.stages import midtrain, sft  # noqa: E402
 from k25jax.train import checkpoint, config_utils, sharding, trainer as trainer_lib  # noqa: E402
@@ -93,19 +95,22 @@ def start_from(config: ml_collections.ConfigDict, previous: str | None, judge: s
     config.grm.checkpoint = judge
 
 
-def judge_config(preset: str, overrides: tuple[str, ...] = ()) -> ml_collections.ConfigDict:
-  """configs/recipe.py's judge with the `--set judge.…` items of `overrides` applied."""
-  config = recipe_config.judge_config(preset)
+def judge_config(preset: str, overrides: tuple[str, ...] = (), k25_format: bool = False) -> ml_collections.ConfigDict:
+  """configs/recipe.py's judge with the `--set judge.…` items of `overrides` applied; in the
+  K2.5 format with mid-training's rope, as the chain's stages after it."""
+  config = recipe_config.judge_config(preset, k25_format)
   config_utils.apply_overrides(config, [item.partition(".")[2] for item in overrides
                                         if item.partition(".")[0] == recipe_config.JUDGE])
+  if k25_format:
+    carry_long_context(stage_configs(preset, overrides, k25_format), (config,))
   return config
 
 
-def run_judge(preset: str, root: str, overrides: tuple[str, ...] = ()) -> str:
+def run_judge(preset: str, root: str, overrides: tuple[str, ...] = (), k25_format: bool = False) -> str:
   """The judge's workdir, <root>/judge, trained there unless finished (its recipe_stage.json:
-  the training's time). Chains of several seeds run at once share one judge (their roots'
-  `judge` links to one workdir): a lock beside the judge's real directory lets one of them train
-  it while the others wait, then read it."""
+  the training's time and `init`); in the K2.5 format from <root>/<JUDGE_STARTS_FROM>'s run. Chains of
+  several seeds run at once share one judge (their roots' `judge` links to one workdir): a lock
+  beside the judge's real directory lets one of them train it while the others wait, then read it."""
   workdir = os.path.join(root, recipe_config.JUDGE)
   record = os.path.join(workdir, "recipe_stage.json")
   lock_path = os.path.realpath(workdir) + ".lock"
@@ -113,10 +118,12 @@ def run_judge(preset: str, root: str, overrides: tuple[str, ...] = ()) -> str:
   with open(lock_path, "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not os.path.exists(record):
-      start = time.time()
-      sft.run(judge_config(preset, overrides), workdir)
+      start, config = time.time(), judge_config(preset, overrides, k25_format)
+      if k25_format:
+        config.init.update(checkpoint=os.path.join(root, recipe_config.JUDGE_STARTS_FROM), text_checkpoint="")
+      sft.run(config, workdir)
       with open(record, "w") as f:
-        json.dump({"stage_s": time.time() - start}, f)
+        json.dump({"stage_s": time.time() - start, "init": config.init.to_dict()}, f)
   return workdir
 
 
@@ -130,19 +137,22 @@ def judge_report(root: str) -> tuple[dict, dict] | None:
     return json.load(f), json.load(g)["judge"]
 
 
-def carry_long_context(configs: dict[str, ml_collections.ConfigDict]) -> None:
-  """The stages after mid-training keep its rope: YaRN, max positions = factor · original context."""
+def carry_long_context(configs: dict[str, ml_collections.ConfigDict],
+                       after: tuple[ml_collections.ConfigDict, ...] | None = None) -> None:
+  """The stages after mid-training (or the configs `after`) keep its rope: YaRN, max positions =
+  factor · original context."""
   lc = configs["midtrain"].long_context
-  for name in STAGES[STAGES.index("midtrain") + 1:]:
-    text = configs[name].model.text if "vision" in configs[name].model else configs[name].model
+  for config in after if after is not None else [configs[name] for name in STAGES[STAGES.index("midtrain") + 1:]]:
+    text = config.model.text if "vision" in config.model else config.model
     text.update(rope_scaling=midtrain.yarn_scaling(lc),
                 max_position_embeddings=int(round(lc.yarn_factor * lc.original_context)))
 
 
-def stage_configs(preset: str, overrides: tuple[str, ...] = ()) -> dict[str, ml_collections.ConfigDict]:
-  """configs/recipe.py's stage configs, `overrides` ("stage.section.field=value") applied, with
-  mid-training's rope carried on."""
-  configs = recipe_config.stage_configs(preset)
+def stage_configs(preset: str, overrides: tuple[str, ...] = (), k25_format: bool = False
+                  ) -> dict[str, ml_collections.ConfigDict]:
+  """configs/recipe.py's stage configs (`k25_format`: SFT, joint RL and PARL in Kimi K2.5's chat
+  format), `overrides` ("stage.section.field=value") applied, with mid-training's rope carried on."""
+  configs = recipe_config.stage_configs(preset, k25_format)
   for item in overrides:
     stage, _, field = item.partition(".")
     if stage == recipe_config.JUDGE:
@@ -154,10 +164,22 @@ def stage_configs(preset: str, overrides: tuple[str, ...] = ()) -> dict[str, ml_
   return configs
 
 
+def speaks_k25(configs: dict[str, ml_collections.ConfigDict]) -> bool:
+  """Whether the chain's chat stages speak Kimi K2.5's format (configs/recipe.py's `k25_format`)."""
+  return configs["sft"].data.chat_format == "k2.5"
+
+
+def chat_tokenizer(configs: dict[str, ml_collections.ConfigDict]):
+  """The tokenizer of the chain's vocabulary: the legacy chat tokenizer, or the byte tokenizer
+  with Kimi K2.5's chat tokens. Its size places the video id past the vocabulary
+  (`config_utils.k25_config_from`), so it must be the chain's, not the pre-training stages'."""
+  return tokenizer.ByteTokenizer(media=True, chat=True) if speaks_k25(configs) else chat.ChatTokenizer()
+
+
 def k25_model_config(name: str, configs: dict[str, ml_collections.ConfigDict]):
   """The K2.5 model of stage `name` (the text stage's: the K2.5 model the ViT stage builds on it;
   PARL's: joint RL's)."""
-  tok = chat.ChatTokenizer()
+  tok = chat_tokenizer(configs)
   if name == "midtrain":
     return midtrain.long_context_model(configs[name], tok)
   k25_stage = {"text_pretrain": "vit", "parl": "joint_rl"}.get(name, name)
@@ -185,12 +207,12 @@ def run_stage(name: str, config: ml_collections.ConfigDict, workdir: str):
 
 
 def run_chain(preset: str, root: str, probes: recipe_probes.Probes | None = None,
-              overrides: tuple[str, ...] = (), last: str = STAGES[-1]) -> dict:
+              overrides: tuple[str, ...] = (), last: str = STAGES[-1], k25_format: bool = False) -> dict:
   """Every stage in order, up to and with `last`, from the previous stage's workdir (joint RL's
   judge trained before it, `run_judge`), the probes before the first stage and after each (when
   given). Returns {"rows": {"init" | stage: probes}, "time_s": {stage | "judge": {...}},
   "judge": the judge's agreement with the hidden rubric, None without a judge}."""
-  configs = stage_configs(preset, overrides)
+  configs = stage_configs(preset, overrides, k25_format)
   mesh = sharding.make_mesh(common.mesh_section().to_dict())
 
   def probe(name: str, workdir: str | None) -> dict:
@@ -215,7 +237,7 @@ def run_chain(preset: str, root: str, probes: recipe_probes.Probes | None = None
     else:
       config = configs[name]
       if judged(config) and judge is None:
-        judge = run_judge(preset, root, overrides)
+        judge = run_judge(preset, root, overrides, k25_format)
       start_from(config, previous, judge)
       start = time.time()
       run_stage(name, config, workdir)
@@ -332,6 +354,8 @@ def main():
   parser.add_argument("--seed", type=int, default=0, help="every stage's training seeds (`seed_overrides`)")
   parser.add_argument("--last", default=STAGES[-1], choices=STAGES,
                       help="stop after this stage (a later run with the same --root resumes from it)")
+  parser.add_argument("--k25_format", action="store_true",
+                      help="SFT, joint RL and PARL in Kimi K2.5's chat format (configs/recipe.py's switch)")
   parser.add_argument("--judge_only", action="store_true",
                       help="train the judge in <root>/judge (unless finished) and stop")
   parser.add_argument("--set", action="append", default=[], metavar="STAGE.SECTION.FIELD=VALUE",
@@ -339,13 +363,13 @@ def main():
   args = parser.parse_args()
   overrides = seed_overrides(args.seed) + tuple(args.set)
   if args.judge_only:
-    print(f"judge: {run_judge(args.preset, args.root, overrides)}")
+    print(f"judge: {run_judge(args.preset, args.root, overrides, args.k25_format)}")
     return
-  configs = stage_configs(args.preset, overrides)
+  configs = stage_configs(args.preset, overrides, args.k25_format)
   probes = recipe_probes.Probes(configs["sft"], configs["parl"], tasks=args.probe_tasks)
   start = time.time()
-  result = run_chain(args.preset, args.root, probes, overrides, last=args.last)
-  result.update(preset=args.preset, seed=args.seed, overrides=args.set, trains=TRAINS, wall_s=time.time() - start,
+  result = run_chain(args.preset, args.root, probes, overrides, last=args.last, k25_format=args.k25_format)
+  result.update(preset=args.preset, k25_format=args.k25_format, seed=args.seed, overrides=args.set, trains=TRAINS, wall_s=time.time() - start,
                 devices=jax.device_count())
   result["trained"], result["forgetting"] = changes(result["rows"])
   with open(args.out + ".json", "w") as f:

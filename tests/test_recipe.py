@@ -1,5 +1,7 @@
 """The recipe's chain (configs/recipe.py, experiments/recipe.py): one model through every stage,
-and any stage starts from a checkpoint of any earlier stage of it."""
+and any stage starts from a checkpoint of any earlier stage of it. The chain runs in Kimi K2.5's
+chat format (`k25_format`, where the recipe is headed: its judge from mid-training, its chat
+stages in the format Kimi serves); the legacy format's configs are checked beside it."""
 import os
 import subprocess
 import sys
@@ -22,18 +24,21 @@ import recipe_probes  # noqa: E402
 import recipe_seeds  # noqa: E402
 
 LM = k25.LANGUAGE_MODEL
+K25_FORMAT = True     # the chain's format (the fixture's)
 
 
 def _text_rl_config():
-  """configs/rl.py's text RL stage (chat addition) on the recipe's decoder: a text stage after the chain."""
-  config = load_config("configs/rl.py")
-  config.model = recipe_config.model_section(False, "test")
+  """configs/rl.py's text RL stage (addition in the chain's chat format) on the recipe's decoder:
+  a text stage after the chain."""
+  config = load_config("configs/rl.py", "tiny,k25_format" if K25_FORMAT else "tiny")
+  config.model = recipe_config.model_section(False, "test", K25_FORMAT)
   return config
 
 
 def _model(config):
   if "vision" in config.model:
-    return k25.K25(config_utils.k25_config_from(config.model, chat.ChatTokenizer()))
+    tok = tokenizer.ByteTokenizer(media=True, chat=True) if config.model.text.vocab_size == 275 else chat.ChatTokenizer()
+    return k25.K25(config_utils.k25_config_from(config.model, tok))
   return transformer.Transformer(config_utils.model_config_from(config.model))
 
 
@@ -62,14 +67,15 @@ def _part(flat: dict[str, np.ndarray], under: str) -> dict[str, np.ndarray]:
   return {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
 
 
-def _run_chain(root: str) -> None:
+def _run_chain(root: str, k25_format: bool) -> None:
   """Every stage of the test preset in order, each from the previous one's workdir, under
-  `root` (joint RL's judge trained first, in root/judge); each stage's final params (the
+  `root` (joint RL's judge trained before it, in root/judge); each stage's final params (the
   trained state's, not a restore) in root/NAME.npz."""
-  configs, previous = recipe.stage_configs("test"), None
-  judge = recipe.run_judge("test", root)
+  configs, previous, judge = recipe.stage_configs("test", k25_format=k25_format), None, None
   for name in recipe.STAGES:
     config, workdir = configs[name], os.path.join(root, name)
+    if recipe.judged(config):
+      judge = recipe.run_judge("test", root, k25_format=k25_format)
     recipe.start_from(config, previous, judge)
     state, _ = recipe.run_stage(name, config, workdir)
     np.savez(os.path.join(root, f"{name}.npz"), **_flat(jax.device_get(state.params)))
@@ -79,10 +85,11 @@ def _run_chain(root: str) -> None:
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
   """The chain (`_run_chain`) run in a one-device process compiling at LLVM's quickest level
-  (cpu_env.COMPILE_BOUND_FLAGS; 92 CPU-s against 164 in an 8-device test process): its
-  workdirs and each stage's final params by key path."""
+  (cpu_env.COMPILE_BOUND_FLAGS; 92 CPU-s against 164 in an 8-device test process, in the legacy
+  format): its workdirs and each stage's final params by key path."""
   root = tmp_path_factory.mktemp("recipe")
-  out = subprocess.run([sys.executable, __file__, str(root)], env=subprocess_env(compile_bound=True, PYTHONPATH=CHECKOUT),
+  out = subprocess.run([sys.executable, __file__, str(root), "k2.5" if K25_FORMAT else "legacy"],
+                       env=subprocess_env(compile_bound=True, PYTHONPATH=CHECKOUT),
                        capture_output=True, text=True, timeout=1200)
   assert out.returncode == 0, out.stderr[-3000:]
   return ({name: str(root / name) for name in recipe.STAGES},
@@ -124,10 +131,13 @@ def test_init_from_names_the_field_the_pair_needs(tmp_path):
   assert text.init.checkpoint == k25_dir
 
 
-def test_the_recipe_is_one_model():
-  """Every stage's model section is the recipe's, and the tokenizers of every stage fit its vocabulary."""
+@pytest.mark.parametrize("k25_format", [False, True], ids=["legacy", "k2.5"])
+def test_the_recipe_is_one_model(k25_format):
+  """Every stage's model section is the recipe's, and the tokenizers of every stage fit its
+  vocabulary: the chat stages' (legacy or Kimi K2.5's chat tokens) with the pre-training
+  stages' bytes and media ids a prefix of it."""
   for preset in ("tiny", "test"):
-    configs = recipe.stage_configs(preset)
+    configs = recipe.stage_configs(preset, k25_format=k25_format)
     text = configs["text_pretrain"].model.to_dict()
     text.pop("preset")
     for name in recipe.STAGES[1:]:
@@ -139,7 +149,33 @@ def test_the_recipe_is_one_model():
       expected = {"rope_scaling", "max_position_embeddings"} if after_midtrain else set()
       assert changed == expected, (name, changed)
       assert not k25_stage or configs[name].model.vision == configs["vit"].model.vision
-    assert tokenizer.ByteTokenizer(media=True).vocab_size <= chat.ChatTokenizer().vocab_size == text["vocab_size"]
+    chat_tok = recipe.chat_tokenizer(configs)
+    assert tokenizer.ByteTokenizer(media=True).vocab_size <= chat_tok.vocab_size == text["vocab_size"]
+    assert chat_tok.media == tokenizer.ByteTokenizer(media=True).media
+    chat_stages = ("sft", "joint_rl")
+    assert {configs[name].data.chat_format if name == "sft" else configs[name].task.chat_format
+            for name in chat_stages} == {"k2.5" if k25_format else "legacy"}
+    assert configs["parl"].parl.rendering == ("k2.5" if k25_format else "chat")
+
+
+def test_the_k25_format_judge_is_the_chains_model_from_midtraining(monkeypatch, tmp_path):
+  """In Kimi K2.5's format the judge is the chain's K2.5 model (its vocabulary, mid-training's
+  rope) and trains from mid-training's run; in the legacy format its own model from a fresh
+  init. A second chain sharing the judge reuses it."""
+  runs = []
+  monkeypatch.setattr(recipe.sft, "run", lambda config, workdir: (os.makedirs(workdir), runs.append((config, workdir))))
+  for k25_format in (False, True):
+    root = tmp_path / ("k2.5" if k25_format else "legacy")
+    assert recipe.run_judge("test", str(root), k25_format=k25_format) == str(root / recipe_config.JUDGE)
+    config, workdir = runs[-1]
+    configs = recipe.stage_configs("test", k25_format=k25_format)
+    if k25_format:
+      assert config.init.checkpoint == str(root / recipe_config.JUDGE_STARTS_FROM)
+      assert config.model.to_dict() == configs["joint_rl"].model.to_dict()     # the rope carried on, as joint RL's
+    else:
+      assert config.init.checkpoint == "" and config.model.text.vocab_size == 275 != configs["sft"].model.text.vocab_size
+  again = recipe.run_judge("test", str(tmp_path / "k2.5"), k25_format=True)
+  assert len(runs) == 2 and again == workdir
 
 
 @pytest.mark.slow
@@ -147,7 +183,7 @@ def test_every_stage_starts_from_every_earlier_stage(chain, tmp_path):
   """Each stage of the chain, and text RL after it, restores the decoder of every earlier stage's
   run exactly (and the vision tower and projector of every earlier K2.5 run)."""
   workdirs, finals = chain
-  configs = recipe.stage_configs("test")
+  configs = recipe.stage_configs("test", k25_format=K25_FORMAT)
   later = [(name, configs[name]) for name in recipe.STAGES] + [("text_rl", _text_rl_config())]
   pairs = 0
   for i, (name, config) in enumerate(later):
@@ -171,7 +207,7 @@ def test_every_stage_starts_from_every_earlier_stage(chain, tmp_path):
 @pytest.mark.slow
 def test_the_probes_measure_a_chained_model(chain):
   workdirs, _ = chain
-  configs = recipe.stage_configs("test")
+  configs = recipe.stage_configs("test", k25_format=K25_FORMAT)
   probes = recipe_probes.Probes(configs["sft"], configs["parl"], rows=8, seq_len=96, text_batches=1, vision_batches=1,
                                 max_patches=256, tasks=2, long_rows=8, long_seq_len=384, long_batches=1)
   mesh = sharding.make_mesh({"data": -1})
@@ -180,8 +216,9 @@ def test_the_probes_measure_a_chained_model(chain):
   assert set(recipe_probes.PROBES + recipe_probes.EXTRAS) <= set(out)
   assert all(0.0 <= out[p] <= 1.0 for p in recipe_probes.PROBES if p not in recipe_probes.LOSSES)
   assert all(0 < out[p] < np.log(cfg.text.vocab_size) + 1 for p in recipe_probes.LOSSES)
-  stage_s, agreement = recipe.judge_report(os.path.dirname(workdirs["joint_rl"]))   # joint RL's judge
-  assert stage_s["stage_s"] > 0 and set(agreement) == {"greedy", "samples_1"}
+  record, agreement = recipe.judge_report(os.path.dirname(workdirs["joint_rl"]))   # joint RL's judge
+  assert record["stage_s"] > 0 and set(agreement) == {"greedy", "samples_1"}
+  assert record["init"]["checkpoint"] == (workdirs[recipe_config.JUDGE_STARTS_FROM] if K25_FORMAT else "")
 
 
 def test_the_report_says_what_each_stage_gained_kept_at_its_ceiling_or_forgot():
@@ -215,4 +252,4 @@ def test_the_table_over_seeds_gives_mean_error_and_whether_a_gain_exceeds_the_no
 
 if __name__ == "__main__":     # `ROOT`: the chain, for the fixture
   jax.config.update("jax_default_matmul_precision", "highest")
-  _run_chain(sys.argv[1])
+  _run_chain(sys.argv[1], k25_format=sys.argv[2] == "k2.5")
