@@ -10,9 +10,9 @@ Runs the stages of `configs/recipe.py` in order — text pre-training → ViT �
 is carried on to the stages after it. Joint RL's judge (`configs/recipe.py: judge_config`) is
 trained in `<root>/judge` before joint RL, from a fresh init (with `--k25_format`: the chain in
 Kimi K2.5's chat format, the judge the chain's model from mid-training's run). Before the first
-stage (a fresh K2.5 model) and after every stage the same held-out probes measure the model (`recipe_probes.PROBES`); after PARL,
-which trains the decoder alone, the K2.5 model is joint RL's with PARL's decoder. A stage that
-finished (`<root>/<stage>/recipe_stage.json`) is not run again, so the command resumes (and
+stage (a fresh K2.5 model) and after every stage the same held-out probes measure the model
+(`recipe_probes.PROBES`); after PARL, which trains the decoder alone, the K2.5 model is joint
+RL's with PARL's decoder. A stage that finished (`<root>/<stage>/recipe_stage.json`) is not run again, so the command resumes (and
 a root whose first stages link to another root's runs an ablation of the later ones:
 `--set sft.optimizer.name=adamw`).
 
@@ -369,7 +369,8 @@ def main():
   probes = recipe_probes.Probes(configs["sft"], configs["parl"], tasks=args.probe_tasks)
   start = time.time()
   result = run_chain(args.preset, args.root, probes, overrides, last=args.last, k25_format=args.k25_format)
-  result.update(preset=args.preset, k25_format=args.k25_format, seed=args.seed, overrides=args.set, trains=TRAINS, wall_s=time.time() - start,
+  result.update(preset=args.preset, k25_format=args.k25_format, seed=args.seed, overrides=args.set, trains=TRAINS,
+                wall_s=time.time() - start,
                 devices=jax.device_count())
   result["trained"], result["forgetting"] = changes(result["rows"])
   with open(args.out + ".json", "w") as f:

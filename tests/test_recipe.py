@@ -37,7 +37,8 @@ def _text_rl_config():
 
 def _model(config):
   if "vision" in config.model:
-    tok = tokenizer.ByteTokenizer(media=True, chat=True) if config.model.text.vocab_size == 275 else chat.ChatTokenizer()
+    k25_vocab = config.model.text.vocab_size == tokenizer.ByteTokenizer(media=True, chat=True).vocab_size
+    tok = tokenizer.ByteTokenizer(media=True, chat=True) if k25_vocab else chat.ChatTokenizer()
     return k25.K25(config_utils.k25_config_from(config.model, tok))
   return transformer.Transformer(config_utils.model_config_from(config.model))
 
@@ -173,7 +174,8 @@ def test_the_k25_format_judge_is_the_chains_model_from_midtraining(monkeypatch, 
       assert config.init.checkpoint == str(root / recipe_config.JUDGE_STARTS_FROM)
       assert config.model.to_dict() == configs["joint_rl"].model.to_dict()     # the rope carried on, as joint RL's
     else:
-      assert config.init.checkpoint == "" and config.model.text.vocab_size == 275 != configs["sft"].model.text.vocab_size
+      assert config.init.checkpoint == ""
+      assert config.model.text.vocab_size == 275 != configs["sft"].model.text.vocab_size   # a model of its own
   again = recipe.run_judge("test", str(tmp_path / "k2.5"), k25_format=True)
   assert len(runs) == 2 and again == workdir
 
