@@ -12,9 +12,9 @@ trained in `<root>/judge` before joint RL, from a fresh init (with `--k25_format
 Kimi K2.5's chat format, the judge the chain's model from mid-training's run). Before the first
 stage (a fresh K2.5 model) and after every stage the same held-out probes measure the model
 (`recipe_probes.PROBES`); after PARL, which trains the decoder alone, the K2.5 model is joint
-RL's with PARL's decoder. A stage that finished (`<root>/<stage>/recipe_stage.json`) is not run again, so the command resumes (and
-a root whose first stages link to another root's runs an ablation of the later ones:
-`--set sft.optimizer.name=adamw`).
+RL's with PARL's decoder. A stage that finished (`<root>/<stage>/recipe_stage.json`) is not run
+again, so the command resumes (and a root whose first stages link to another root's runs an
+ablation of the later ones: `--set sft.optimizer.name=adamw`).
 
 `--set judge.section.field=value` overrides a field of the judge's config; `--seed N` sets
 every stage's training seeds (`seed_overrides`; `experiments/recipe_seeds.py` tables the seeds).
