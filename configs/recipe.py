@@ -120,8 +120,6 @@ def judge_config(preset: str, k25_format: bool = False) -> ml_collections.Config
   config = grm.get_config(preset)
   if k25_format:
     config.model = model_section(True, preset, k25_format)
-    if preset == "test":
-      config.model.vision.num_hidden_layers = 1
   return config
 
 
