@@ -7,7 +7,9 @@
 Per stage and probe, the mean over the seeds' runs and its standard error (s / √n); per probe a
 stage trains, the stage's gain over the row before it (losses: the drop), mean ± s.e. of the
 per-seed gains, and whether it exceeds the noise (mean > 2 s.e.: improved; < −2 s.e.: worse;
-else not distinguishable). Writes `<out>.json` and `<out>.md`.
+else not distinguishable); and the forgetting beyond the noise: a stage's drop on a probe it
+does not train, of those the stages before it had raised (both beyond 2 s.e.). Writes
+`<out>.json` and `<out>.md`.
 """
 from __future__ import annotations
 
@@ -23,6 +25,12 @@ import seed_stats  # noqa: E402
 from recipe import TRAINS, gain  # noqa: E402
 
 
+def beyond_noise(values: list[float]) -> tuple[tuple[float, float], str]:
+  """((mean, s.e.) of paired per-seed changes, "improved" | "worse" | "not distinguishable" at 2 s.e.)."""
+  mean, error = seed_stats.mean_and_error(values)
+  return (mean, error), "improved" if mean > 2 * error else "worse" if mean < -2 * error else "not distinguishable"
+
+
 def aggregate(runs: list[dict]) -> dict:
   """{"seeds", "rows": {stage: {probe: (mean, s.e.)}}, "trained": [{stage, probe, gain: (mean,
   s.e.), verdict}]} of recipe.py results (the same stages, one seed each)."""
@@ -31,14 +39,20 @@ def aggregate(runs: list[dict]) -> dict:
     raise ValueError("the runs' stages differ: " + "; ".join(",".join(r["rows"]) for r in runs))
   probes = recipe_probes.PROBES + recipe_probes.EXTRAS
   rows = {s: {p: seed_stats.mean_and_error([r["rows"][s][p] for r in runs]) for p in probes} for s in stages}
-  trained = []
+  trained, forgetting = [], []
+  change = lambda probe, a, b: [gain(probe, r["rows"][a][probe], r["rows"][b][probe]) for r in runs]
   for before, stage in zip(stages, stages[1:]):
     for probe in TRAINS[stage]:
-      mean, error = seed_stats.mean_and_error([gain(probe, r["rows"][before][probe], r["rows"][stage][probe])
-                                               for r in runs])
-      verdict = "improved" if mean > 2 * error else "worse" if mean < -2 * error else "not distinguishable"
-      trained.append(dict(stage=stage, probe=probe, gain=(mean, error), verdict=verdict))
-  return {"seeds": [r.get("seed", 0) for r in runs], "rows": rows, "trained": trained}
+      stats, verdict = beyond_noise(change(probe, before, stage))
+      trained.append(dict(stage=stage, probe=probe, gain=stats, verdict=verdict))
+    for probe in recipe_probes.PROBES:
+      if probe in TRAINS[stage] or beyond_noise(change(probe, stages[0], before))[1] != "improved":
+        continue
+      stats, verdict = beyond_noise(change(probe, before, stage))
+      if verdict == "worse":
+        forgetting.append(dict(stage=stage, probe=probe, gain=stats, before=rows[before][probe],
+                               after=rows[stage][probe]))
+  return {"seeds": [r.get("seed", 0) for r in runs], "rows": rows, "trained": trained, "forgetting": forgetting}
 
 
 def markdown(result: dict) -> str:
@@ -50,6 +64,10 @@ def markdown(result: dict) -> str:
   lines += ["", "Each stage's gain on the probes it trains (losses: the drop), over the row before it:", ""]
   lines += [f"* {t['stage']}: {t['probe']} {t['gain'][0]:+.3f} ± {t['gain'][1]:.3f} ({t['verdict']})"
             for t in result["trained"]]
+  lines += ["", "Forgetting beyond the noise (a stage lowers a probe it does not train, which the stages "
+            "before it had raised):", ""]
+  lines += [f"* {f['stage']}: {f['probe']} {f['before'][0]:.3f} → {f['after'][0]:.3f} "
+            f"({f['gain'][0]:+.3f} ± {f['gain'][1]:.3f})" for f in result["forgetting"]] or ["* none"]
   return "\n".join(lines) + "\n"
 
 

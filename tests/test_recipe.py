@@ -248,6 +248,15 @@ def test_the_table_over_seeds_gives_mean_error_and_whether_a_gain_exceeds_the_no
   verdicts = {t["probe"]: t["verdict"] for t in result["trained"]}
   assert verdicts == {"image_tool": "improved", "arithmetic": "not distinguishable"}
   assert "| sft | 5.000 ± 0.000 |" in recipe_seeds.markdown(result)
+  assert result["forgetting"] == []
+  # joint RL after it: text loss 2.0 / 2.1 / 1.9 after SFT (learnt from 5.0), then 3.0 / 3.2 / 2.9
+  # (a drop of 1.0 / 1.1 / 1.0: forgotten beyond the noise); caption loss 2.0 → 2.1 / 1.9 / 2.0 (inside it)
+  for run, (sft_text, rl_text, rl_caption) in zip(runs, ((2.0, 3.0, 2.1), (2.1, 3.2, 1.9), (1.9, 2.9, 2.0))):
+    run["rows"]["sft"].update(text_loss=sft_text, caption_loss=2.0)
+    run["rows"]["joint_rl"] = {**run["rows"]["sft"], "text_loss": rl_text, "caption_loss": rl_caption}
+  forgotten = recipe_seeds.aggregate(runs)["forgetting"]
+  assert [(f["stage"], f["probe"]) for f in forgotten] == [("joint_rl", "text_loss")]
+  assert forgotten[0]["gain"] == pytest.approx((-31 / 30, 1 / 30))
   with pytest.raises(ValueError, match="stages differ"):
     recipe_seeds.aggregate([runs[0], {"rows": {"init": fresh}}])
 
