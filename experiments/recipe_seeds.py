@@ -2,14 +2,15 @@
 
     python experiments/recipe.py --seed 0 --root runs/recipe_s0 --out experiments/results/recipe_seed0   # and 1, 2
     python experiments/recipe_seeds.py experiments/results/recipe_seed{0,1,2}.json \
-        --out experiments/results/recipe_seeds
+        --out experiments/results/recipe_seeds [--last STAGE]
 
 Per stage and probe, the mean over the seeds' runs and its standard error (s / √n); per probe a
 stage trains, the stage's gain over the row before it (losses: the drop), mean ± s.e. of the
 per-seed gains, and whether it exceeds the noise (mean > 2 s.e.: improved; < −2 s.e.: worse;
 else not distinguishable); and the forgetting beyond the noise: a stage's drop on a probe it
-does not train, of those the stages before it had raised (both beyond 2 s.e.). Writes
-`<out>.json` and `<out>.md`.
+does not train, of those the stages before it had raised (both beyond 2 s.e.). Over the stages
+up to and with `--last` (default every stage; all runs must have them: a run stopped earlier
+with `recipe.py --last` limits it). Writes `<out>.json` and `<out>.md`.
 """
 from __future__ import annotations
 
@@ -31,9 +32,12 @@ def beyond_noise(values: list[float]) -> tuple[tuple[float, float], str]:
   return (mean, error), "improved" if mean > 2 * error else "worse" if mean < -2 * error else "not distinguishable"
 
 
-def aggregate(runs: list[dict]) -> dict:
+def aggregate(runs: list[dict], last: str | None = None) -> dict:
   """{"seeds", "rows": {stage: {probe: (mean, s.e.)}}, "trained": [{stage, probe, gain: (mean,
-  s.e.), verdict}]} of recipe.py results (the same stages, one seed each)."""
+  s.e.), verdict}], "forgetting": [...]} of recipe.py results (one seed each, the same stages up
+  to and with `last`, default the last)."""
+  runs = [dict(r, rows=dict(list(r["rows"].items())[:list(r["rows"]).index(last) + 1] if last else r["rows"]))
+          for r in runs]
   stages = list(runs[0]["rows"])
   if any(list(r["rows"]) != stages for r in runs):
     raise ValueError("the runs' stages differ: " + "; ".join(",".join(r["rows"]) for r in runs))
@@ -75,6 +79,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("results", nargs="+", help="recipe.py's <out>.json, one a seed")
   parser.add_argument("--out", default="experiments/results/recipe_seeds")
+  parser.add_argument("--last", default=None, help="aggregate the stages up to and with this one")
   args = parser.parse_args()
   if len(args.results) < 2:
     raise SystemExit("recipe_seeds.py: give two or more runs' JSON (one a seed)")
@@ -82,7 +87,7 @@ def main():
   for path in args.results:
     with open(path) as f:
       runs.append(json.load(f))
-  result = aggregate(runs)
+  result = aggregate(runs, args.last)
   result["results"] = args.results
   with open(args.out + ".json", "w") as f:
     json.dump(result, f, indent=1)

@@ -256,6 +256,7 @@ def test_the_table_over_seeds_gives_mean_error_and_whether_a_gain_exceeds_the_no
     run["rows"]["joint_rl"] = {**run["rows"]["sft"], "text_loss": rl_text, "caption_loss": rl_caption}
   forgotten = recipe_seeds.aggregate(runs)["forgetting"]
   assert [(f["stage"], f["probe"]) for f in forgotten] == [("joint_rl", "text_loss")]
+  assert list(recipe_seeds.aggregate(runs, last="sft")["rows"]) == ["init", "sft"]    # up to a stage
   assert forgotten[0]["gain"] == pytest.approx((-31 / 30, 1 / 30))
   with pytest.raises(ValueError, match="stages differ"):
     recipe_seeds.aggregate([runs[0], {"rows": {"init": fresh}}])
