@@ -1,12 +1,13 @@
 """Experiment: what splitting pays a PARL warm start before any RL (why serial collapse appears or not).
 
     python experiments/parl_spawn_payoff.py --workdir=DIR [--tasks 512 --samples 8 --min_width 8
-        --out experiments/results/parl_spawn_payoff.json]
+        --set parl.subagent_failure=0.3 --out experiments/results/parl_spawn_payoff.json]
 
 DIR is a `configs/parl.py` run: its warm start (DIR/warm_start, or `init.checkpoint`) is the
 orchestrator and its frozen sub-agents (`parl.frozen_subagents`) play under it. On the wide tasks of at least --min_width entities among --tasks held-out
 tasks (`parl.sample_tasks`, seed --seed), it samples --samples episodes per task at the
-RL temperature, as the first RL iteration would, and compares the episodes whose
+RL temperature, as the first RL iteration would (the environment as `--set` makes it, e.g.
+sub-agents that fail or cost more steps, as `parl_ablation.py --set` plays it), and compares the episodes whose
 orchestrator split (created a sub-agent) with those where it worked alone:
 
     share    = P(split)
@@ -54,10 +55,12 @@ def main(argv=None):
   parser.add_argument("--samples", type=int, default=8, help="episodes per task (RL's rl.num_generations)")
   parser.add_argument("--min_width", type=int, default=8)
   parser.add_argument("--seed", type=int, default=777)
+  parser.add_argument("--set", action="append", default=[], help="section.field=value config override")
   parser.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "parl_spawn_payoff.json"))
   args = parser.parse_args(argv)
 
   config = config_utils.load_config_file(os.path.join(ROOT, "configs", "parl.py"), "tiny")
+  config_utils.apply_overrides(config, args.set)
   model = transformer.Transformer(config_utils.model_config_from(config.model))
   mesh = sharding.make_mesh(config.mesh.to_dict())
   warm = trainer_lib.restore_params(model, config.init.checkpoint or os.path.join(args.workdir, "warm_start"), mesh)
@@ -69,7 +72,7 @@ def main(argv=None):
   out = payoff(np.array([r.num_created > 0 for r in results]), np.array([r.score.item_f1 for r in results]),
                args.samples)
   out.update(workdir=os.path.abspath(args.workdir), tasks=len(tasks), min_width=args.min_width,
-             temperature=config.rl.temperature)
+             temperature=config.rl.temperature, overrides=args.set)
   print(f"{out['episodes']} sampled episodes of {len(tasks)} wide tasks of >= {args.min_width} entities: the warm "
         f"start split in {out['share_split']:.3f} of them; Item-F1 {out['f1_split']:.3f} split vs "
         f"{out['f1_solo']:.3f} alone; within a task's group ({out['tasks_with_both']} tasks with both) splitting "
