@@ -188,8 +188,9 @@ def optimizer_section(lr: float, warmup_steps: int, decay_steps: int, *, name: s
 
 
 def mesh_section(**sizes) -> ml_collections.ConfigDict:
-  """Device counts per mesh axis (-1 takes the devices left over); data-parallel by default."""
-  return ml_collections.ConfigDict({**dict(data=-1, fsdp=1, expert=1, sequence=1, tensor=1), **sizes})
+  """Device counts per mesh axis (-1 takes the devices left over); data-parallel by default.
+  `devices`: how many devices the mesh spans, the first ones of this process (-1: all)."""
+  return ml_collections.ConfigDict({**dict(data=-1, fsdp=1, expert=1, sequence=1, tensor=1, devices=-1), **sizes})
 
 
 def policy_loss_section() -> ml_collections.ConfigDict:

@@ -48,7 +48,7 @@ def compact_toggle_warm_start() -> str:
   from k25jax.stages import rl
   from k25jax.train import config_utils, sharding
   config = compact_toggle_rl_config()
-  config.mesh.update(data=-1, fsdp=1)
+  config.mesh.update(data=-1, fsdp=1, devices=1)     # 53 CPU-s on one device, 82 on the 8
   workdir = os.path.join(shared_dir(), "rl_warm_starts", "compact_toggle")
   os.makedirs(workdir, exist_ok=True)
   reached = os.path.join(workdir, "reached.json")

@@ -46,16 +46,20 @@ def test_vit_optimizer_phases():
 
 @pytest.fixture(scope="module")
 def vit_run(tmp_path_factory):
-  """A micro language model pretrained on the captions' text (no images), then the ViT stage on it."""
+  """A micro language model pretrained on the captions' text (no images), then the ViT stage on it,
+  both on one of the 8 devices (`mesh.devices`: what they check is learning, not sharding; the
+  ViT stage's media-sharded step runs across processes in test_stage_multiprocess.py)."""
   lm_dir = str(tmp_path_factory.mktemp("caption_lm"))
   text = load_config("configs/pretrain.py")
   text.model = common.model_section("tiny", **MICRO_TEXT)
+  text.mesh.devices = 1
   text.data.update(source="visual_captions", eval_every=1000)
   text.train.update(steps=80, batch=8, seq_len=64, log_every=80, eval_every=80, eval_batches=1, checkpoint_every=80)
   text.optimizer.update(lr=3e-3, warmup_steps=5, decay_steps=20)
   pretrain.run(text, lm_dir)
   config = micro("configs/vit.py", steps=40, seq_len=96, eval_every=40, checkpoint_every=40)
   config.init.text_checkpoint = lm_dir
+  config.mesh.devices = 1
   config.vit.projector_only_from = 30
   config.optimizer.update(lr=3e-3, warmup_steps=2, decay_steps=5)
   config.data.update(tasks=("caption", "count"), max_patches=512)

@@ -70,6 +70,7 @@ def test_the_warm_start_after_init_fine_tunes_the_given_params(tmp_path):
   config = parl_config.get_config("tiny,chat")
   config.warm_start.update(demonstrations=8, steps=2, batch=8, log_every=1, checkpoint_every=2, router_bias_rate=0.0)
   config.warm_start.optimizer.update(lr=1e-9, warmup_steps=1, decay_steps=1)
+  config.mesh.devices = 1
   model = transformer.Transformer(config_utils.model_config_from(config.model))
   mesh = sharding.make_mesh(config.mesh.to_dict())
   with jax.set_mesh(mesh):

@@ -20,6 +20,7 @@ def _small(config):
   config.train.update(steps=2, eval_every=2, log_every=1, checkpoint_every=1)
   config.optimizer.update(warmup_steps=1)
   config.sandbox.sessions = 8
+  config.mesh.devices = 1         # what these check is the stage; it runs sharded in test_stage_multiprocess.py
   return config
 
 

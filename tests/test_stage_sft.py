@@ -23,6 +23,7 @@ def _small(config):
   config.optimizer.update(lr=3e-3, warmup_steps=2, decay_steps=4)
   config.sandbox.sessions = 4
   config.eval.update(tasks=4, max_turns=2, max_context=320, turn_tokens=16, settings="text_tool")
+  config.mesh.devices = 1         # the stage, not its sharding (the trainer's step: test_train_sharding.py)
   return config
 
 

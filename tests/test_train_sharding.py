@@ -1,12 +1,13 @@
 """Sharding is real: one step on 8 CPU devices equals the step on one device."""
 import jax
+import ml_collections
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from k25jax.model import transformer
 from k25jax.stages import pretrain
-from k25jax.train import config_utils, optimizer, sharding, trainer as trainer_lib
+from k25jax.train import config_check, config_utils, optimizer, sharding, trainer as trainer_lib
 from test_train_step import micro_config, random_batch
 
 STEPS = 2
@@ -64,3 +65,21 @@ def test_mesh_sizes():
     sharding.make_mesh(dict(data=-1, fsdp=3))
   with pytest.raises(ValueError, match="unknown axes"):
     sharding.make_mesh(dict(model=8))
+
+
+def test_a_mesh_over_the_first_devices():
+  """`mesh.devices` = N: the axes divide the first N devices; -1 (the default), all of them."""
+  mesh = sharding.make_mesh(dict(data=-1, tensor=2, devices=4))
+  assert dict(mesh.shape) == dict(data=2, fsdp=1, expert=1, sequence=1, tensor=2)
+  assert list(mesh.devices.flat) == jax.devices()[:4]
+  assert sharding.make_mesh(dict(data=-1, devices=-1)).devices.size == 8
+  assert sharding.make_mesh(dict(data=1, devices=1)).devices.size == 1
+  with pytest.raises(ValueError, match="between 1 and the 8 devices"):
+    sharding.make_mesh(dict(data=-1, devices=16))
+  with pytest.raises(ValueError, match="needs 2 devices, but 4"):
+    sharding.make_mesh(dict(data=2, devices=4))
+  config = ml_collections.ConfigDict({"mesh": dict(data=-1, fsdp=1, devices=-1)})
+  config_check.validate(config)                        # -1 on an axis and on `devices` at once
+  config.mesh.devices = 0
+  with pytest.raises(ValueError, match="mesh.devices=0"):
+    config_check.validate(config)

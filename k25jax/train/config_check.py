@@ -21,7 +21,7 @@ from typing import Callable, Mapping
 import ml_collections
 
 from k25jax.model import config as model_config
-from k25jax.train import optimizer
+from k25jax.train import optimizer, sharding
 
 
 def _int(v) -> bool:
@@ -110,9 +110,10 @@ def validate(config: ml_collections.ConfigDict, rules: Mapping[str, tuple[Callab
   if "mesh" in config:
     sizes = config.mesh.to_dict()
     bad = [f"mesh.{axis}={n!r}" for axis, n in sizes.items() if not (_int(n) and (n >= 1 or n == -1))]
-    if bad or list(sizes.values()).count(-1) > 1:
-      raise ValueError(f"config: {', '.join(bad) or config.mesh.to_dict()}: each mesh axis must be an integer >= 1, "
-                       "or -1 (the devices left over) on one axis at most")
+    axes = [n for axis, n in sizes.items() if axis != sharding.DEVICES]
+    if bad or axes.count(-1) > 1:
+      raise ValueError(f"config: {', '.join(bad) or config.mesh.to_dict()}: each mesh axis (and mesh.devices) must "
+                       "be an integer >= 1, or -1 (the devices left over) on one axis at most (mesh.devices: all)")
   if "model" in config:
     try:
       _model_config(config.model)

@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 BATCH_AXES = ("data", "fsdp", "expert")
+DEVICES = "devices"   # the mesh section's device count beside its axes: -1 (all) or the first N
 
 RULES = (
     # ---- params
@@ -61,10 +62,17 @@ RULES = (
 
 
 def mesh_shape(sizes: dict[str, int], n_devices: int) -> tuple[int, ...]:
-  """Axis sizes in `AXES` order; one size of -1 takes the devices the others leave."""
+  """Axis sizes in `AXES` order over `n_devices`, or over the first `sizes["devices"]` of them
+  when the section names a count (`DEVICES`; -1 or absent: all); one size of -1 takes the
+  devices the others leave."""
+  sizes = dict(sizes)
+  wanted = int(sizes.pop(DEVICES, -1))
   unknown = set(sizes) - set(AXES)
   if unknown:
-    raise ValueError(f"mesh: unknown axes {sorted(unknown)}; the axes are {AXES}")
+    raise ValueError(f"mesh: unknown axes {sorted(unknown)}; the axes are {AXES} (and {DEVICES!r}, a count)")
+  if wanted != -1 and not 1 <= wanted <= n_devices:
+    raise ValueError(f"mesh.{DEVICES}={wanted}: must be -1 (all) or between 1 and the {n_devices} devices")
+  n_devices = n_devices if wanted == -1 else wanted
   shape = [int(sizes.get(name, 1)) for name in AXES]
   free = [i for i, s in enumerate(shape) if s == -1]
   if len(free) > 1 or any(s == 0 or s < -1 for s in shape):
@@ -82,14 +90,21 @@ def mesh_shape(sizes: dict[str, int], n_devices: int) -> tuple[int, ...]:
 
 
 def make_mesh(sizes: dict[str, int], devices=None) -> jax.sharding.Mesh:
-  """A mesh with Auto axes `AXES` over `devices` (default: all devices, all processes).
+  """A mesh with Auto axes `AXES` over `devices` (default: all devices, all processes), or over
+  the first `sizes["devices"]` of them (one process only: a smaller mesh for a run that does
+  not need them all, e.g. a numerics test on a CPU's forced host devices).
 
   On a TPU torus each mesh axis should be a product of whole physical axes (a v5p 8x8x8:
   8, 64, 512); a size that is not (16 or 32 there) splits a physical axis, with a warning,
   since collectives along it then share links with another mesh axis.
   """
   devices = jax.devices() if devices is None else list(devices)
-  shape = mesh_shape(dict(sizes), len(devices))
+  shape = mesh_shape(sizes, len(devices))
+  if math.prod(shape) < len(devices):
+    if jax.process_count() > 1:
+      raise ValueError(f"mesh.{DEVICES}={sizes[DEVICES]}: a run of {jax.process_count()} processes "
+                       "uses every device (-1)")
+    devices = devices[:math.prod(shape)]
   axis_types = (jax.sharding.AxisType.Auto,) * len(AXES)
   try:
     return jax.make_mesh(shape, AXES, axis_types=axis_types, devices=devices)
