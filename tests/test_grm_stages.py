@@ -59,6 +59,7 @@ def test_a_describe_run_needs_a_judge_or_the_rubric():
 @pytest.mark.slow
 def test_a_judge_trained_here_rewards_descriptions_in_joint_rl(tmp_path):
   judge = load_config("configs/grm.py", "test")
+  judge.mesh.devices = 1          # the judge's training on one device; it judges on the RL run's 8
   _, history = sft.run(judge, str(tmp_path / "judge"))
   with open(tmp_path / "judge" / "sft_eval.json") as f:
     results = json.load(f)

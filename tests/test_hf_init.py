@@ -78,6 +78,7 @@ def test_a_run_from_the_folder_exports_back_to_transformers(start, request, tmp_
   path, model = request.getfixturevalue({"bfloat16": "folder", "fp8": "fp8_folder"}[start])
   config = config_from(path)
   config_utils.model_section_from_hf(config)
+  config.mesh.update(data=1, fsdp=1, devices=1)     # the load onto a sharded mesh: the test above
   state, history = pretrain.run(config, str(tmp_path / "run"))
   train = [h for h in history if h["split"] == "train"]
   assert train[-1]["loss"] < train[0]["loss"]
