@@ -212,7 +212,7 @@ def test_the_probes_measure_a_chained_model(chain):
   configs = recipe.stage_configs("test", k25_format=K25_FORMAT)
   probes = recipe_probes.Probes(configs["sft"], configs["parl"], rows=8, seq_len=96, text_batches=1, vision_batches=1,
                                 max_patches=256, tasks=2, long_rows=8, long_seq_len=384, long_batches=1)
-  mesh = sharding.make_mesh({"data": -1})
+  mesh = sharding.make_mesh({"data": -1, "devices": 1})     # as the chain ran them: numerics, not sharding
   cfg = recipe.k25_model_config("joint_rl", configs)
   out = probes(cfg, recipe.k25_params(cfg, workdirs["joint_rl"], mesh), mesh)
   assert set(recipe_probes.PROBES + recipe_probes.EXTRAS) <= set(out)

@@ -43,7 +43,8 @@ class Policy:
 
 # Decode batches are padded to few shapes (each a ~2 s sampler compile on 2 CPU cores):
 MIN_WIDTH = 16      # contexts to a power of two of at least this many tokens (`decode.decode`)
-MIN_ROWS = 16       # rows to a power of two, at least this many
+MIN_ROWS = 16       # rows to a power of two, at least this many up to 256 positions; a wider call
+MIN_TOKENS = 4096   # at least this many tokens (1,024 positions: 4 rows), as a padded row costs as a real one
 CPU_MAX_ROWS = 32   # the rows of one sampler call on CPU (`Swarm.max_rows`)
 
 
@@ -103,7 +104,7 @@ class Swarm:
       rows = order[start:start + per_call]
       self.rng, key = jax.random.split(self.rng)
       out = decode.decode(policy.cfg, policy.params, [contexts[i] for i in rows], key, policy.sampling,
-                          min_width=MIN_WIDTH, min_rows=MIN_ROWS)
+                          min_width=MIN_WIDTH, min_rows=MIN_ROWS, min_tokens=MIN_TOKENS)
       for i, turn in zip(rows, decode.turns(out)):
         if fits[i]:
           turns[i] = turn

@@ -5,7 +5,9 @@ and decoded in ONE sampler call, each row at its own positions:
 
     width = the longest context rounded up to `width_multiple`, or (min_width > 0) to the next
             power of two of at least `min_width`; at most max_positions − max_new_tokens
-    rows  = len(contexts), or (bucket_rows) the next power of two, at least `min_rows`
+    rows  = len(contexts), or (bucket_rows) the next power of two, at least `min_rows`, or
+            (min_tokens > 0) at least min(min_rows, min_tokens // width): a wide call is not
+            padded with rows it pays for as if they were real (on CPU a batch costs its rows)
 
 so a run sees few distinct shapes and the sampler compiles a few times, not once per call.
 Padding rows are one pad token long; what they generate is dropped.
@@ -35,8 +37,8 @@ def bucket(n: int, at_least: int = 1) -> int:
 
 
 def pad(contexts: Sequence[Sequence[int]], cfg: ModelConfig, sampling: sampler.SamplingConfig, *,
-        width_multiple: int = 1, min_width: int = 0, min_rows: int = 1, bucket_rows: bool = True
-        ) -> tuple[np.ndarray, np.ndarray]:
+        width_multiple: int = 1, min_width: int = 0, min_rows: int = 1, min_tokens: int = 0,
+        bucket_rows: bool = True) -> tuple[np.ndarray, np.ndarray]:
   """Right-padded prompts [rows, width] and their lengths (module docstring). Raises
   ValueError when a context leaves no room for `max_new_tokens`."""
   longest = max(len(c) for c in contexts)
@@ -45,7 +47,8 @@ def pad(contexts: Sequence[Sequence[int]], cfg: ModelConfig, sampling: sampler.S
   if longest > width:
     raise ValueError(f"a context of {longest} tokens leaves no room for {sampling.max_new_tokens} new ones in "
                      f"max_position_embeddings={cfg.max_position_embeddings}")
-  rows = bucket(len(contexts), min_rows) if bucket_rows else len(contexts)
+  floor = min(min_rows, max(1, min_tokens // width)) if min_tokens else min_rows
+  rows = bucket(len(contexts), floor) if bucket_rows else len(contexts)
   prompts = np.full((rows, width), sampling.pad_id, np.int32)
   lengths = np.ones(rows, np.int32)
   for i, c in enumerate(contexts):
@@ -55,12 +58,13 @@ def pad(contexts: Sequence[Sequence[int]], cfg: ModelConfig, sampling: sampler.S
 
 def decode(cfg: ModelConfig, params, contexts: Sequence[Sequence[int]], rng: jax.Array,
            sampling: sampler.SamplingConfig, *, width_multiple: int = 1, min_width: int = 0, min_rows: int = 1,
-           bucket_rows: bool = True, media_for: MediaFor | None = None) -> dict[str, np.ndarray]:
+           min_tokens: int = 0, bucket_rows: bool = True, media_for: MediaFor | None = None
+           ) -> dict[str, np.ndarray]:
   """One sampler call for all `contexts` (`pad`'s layout; `media_for` gives the padded rows'
   media). Returns the sampler's host arrays for the contexts' rows: tokens and logprobs
   [n, max_new_tokens], lengths [n] (the whole batch in every process)."""
   prompts, lengths = pad(contexts, cfg, sampling, width_multiple=width_multiple, min_width=min_width,
-                         min_rows=min_rows, bucket_rows=bucket_rows)
+                         min_rows=min_rows, min_tokens=min_tokens, bucket_rows=bucket_rows)
   media = media_for(prompts) if media_for is not None else None
   out = sampler.generate(cfg, params, prompts, lengths, rng, sampling, media=media)
   out = multihost_utils.process_allgather(out, tiled=True) if jax.process_count() > 1 else jax.device_get(out)
