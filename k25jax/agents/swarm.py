@@ -43,8 +43,8 @@ class Policy:
 
 # Decode batches are padded to few shapes (each a ~2 s sampler compile on 2 CPU cores):
 MIN_WIDTH = 16      # contexts to a power of two of at least this many tokens (`decode.decode`)
-MIN_ROWS = 16       # rows to a power of two, at least this many up to 256 positions; a wider call
-MIN_TOKENS = 4096   # at least this many tokens (1,024 positions: 4 rows), as a padded row costs as a real one
+MIN_ROWS = 16       # rows to a power of two, at least this many while a call is at most 256 positions wide
+MIN_TOKENS = 4096   # a wider call: at least this many tokens (4 rows at 1,024), as a padded row costs as a real one
 CPU_MAX_ROWS = 32   # the rows of one sampler call on CPU (`Swarm.max_rows`)
 
 
