@@ -38,7 +38,8 @@ def compact_toggle_warm_start() -> str:
   own evaluation and key) is at least SOME_RIGHT, so that groups get different rewards.
 
   A number of steps would not do: addition is learned abruptly, and where depends on the
-  floats (the figures below were measured on all 8 test devices, before this run moved to one). At 250 steps under the earlier schedule (a decay over the last 50) held-out accuracy
+  floats (the figures below were measured on all 8 test devices, before this run moved to
+  one). At 250 steps under the earlier schedule (a decay over the last 50) held-out accuracy
   was 0.24 on one machine, 0.19 on an AVX-512 Xeon at AVX2, 0.10 on an AMD EPYC, and 0.02 at
   warm_start.seed 2 and 3 on the EPYC; at 400 steps 0.82. At a constant lr on the EPYC, seed 0
   went 0.03, 0.14, 0.24, 0.38 at 225, 250, 275, 300 steps and seed 2 0.03, 0.05, 0.16, 0.25 at
