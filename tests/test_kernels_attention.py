@@ -40,11 +40,7 @@ CASES = {
 }
 
 
-SLOW_CASES = ("tiled_256_keys_narrower",)     # ~12 s (16 interpreted key blocks a query block): the full suite's
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c
-                                  for c in sorted(CASES)])
+@pytest.mark.parametrize("case", sorted(CASES))   # its slowest: full suite only (conftest.SLOW_IN_THE_INNER_LOOP)
 def test_flash_attention_equals_xla(case):
   seq, bq, bk, segmented, formulation, dtype, rtol, grad_rtol = CASES[case]
   q, k, v, segments = _inputs(seq, dtype, segmented)
