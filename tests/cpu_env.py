@@ -11,6 +11,9 @@ collectives) run as they do for users, and LLVM keeps IEEE float semantics at ev
 `COMPILE_BOUND_FLAGS`: level 0, for processes that compile many programs and run each a
 step or two (the two-process comparison's workers): its five stages in one 4-device process
 took 137 CPU-s at level 0 against 185 at level 1.
+
+`compile_once_for_both_processes`: in a test's pair of jax.distributed processes, process 0
+compiles each program and hands the executable to process 1 (jax's share_binary_between_hosts).
 """
 import os
 import socket
@@ -29,6 +32,28 @@ def xla_flags(devices: int | None = None, compile_bound: bool = False) -> str:
 def subprocess_env(devices: int | None = None, compile_bound: bool = False, **extra) -> dict:
   """This process's environment for a CPU subprocess with `devices` host devices (`xla_flags`)."""
   return dict(os.environ, XLA_FLAGS=xla_flags(devices, compile_bound), JAX_PLATFORMS="cpu", **extra)
+
+
+def compile_once_for_both_processes() -> bool:
+  """Process 1 of a pair takes each program process 0 compiled, instead of compiling it too; call
+  before jax.distributed.initialize. Returns whether it is set up.
+
+  jax shares a program between processes (`jax_share_binary_between_hosts`: process 0 compiles and
+  posts the executable in the coordinator's key-value store, the others wait for it) under its
+  compilation-cache key. On CPU that key hashes the topology of the devices, and a process's CPU
+  topology names its own devices, so the pair's keys for one program differ and process 1 would
+  wait for a key process 0 never posts. Here the devices are hashed by kind, as jax does for a
+  backend without a topology; the key still holds the program, the compile options with the device
+  assignment, the XLA flags and the versions. If this jax lacks those hooks, both processes compile.
+  """
+  import jax
+  from jax._src import cache_key
+  if not (callable(getattr(cache_key, "_hash_accelerator_config", None))
+          and callable(getattr(cache_key, "_hash_devices", None))):
+    return False
+  cache_key._hash_accelerator_config = cache_key._hash_devices     # pylint: disable=protected-access
+  jax.config.update("jax_share_binary_between_hosts", True)
+  return True
 
 
 def free_port() -> int:

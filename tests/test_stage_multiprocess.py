@@ -28,7 +28,7 @@ import sys
 import numpy as np
 import pytest
 import saved_states
-from cpu_env import free_port, xla_flags
+from cpu_env import compile_once_for_both_processes, free_port, xla_flags
 
 MICRO_TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                   num_hidden_layers=2, num_attention_heads=2, n_routed_experts=4, num_experts_per_tok=2,
@@ -177,6 +177,7 @@ if __name__ == "__main__":     # `sft_start WORKDIR`, or a worker: `WHO PORT ROO
     sys.exit(0)
   who, port, root, sft_init = sys.argv[1], int(sys.argv[2]), *sys.argv[3:5]
   if who != "single":
+    compile_once_for_both_processes()
     jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=int(who))
   assert jax.device_count() == 4, jax.device_count()
   for stage_name in STAGES:

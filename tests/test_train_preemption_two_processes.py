@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from cpu_env import free_port, subprocess_env
+from cpu_env import compile_once_for_both_processes, free_port, subprocess_env
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, STEP_SECONDS, CHECKPOINT_MINUTES = 12, 50.0, 2.0   # process 0's clock: a save due every 3rd step
@@ -31,6 +31,7 @@ def _run_process(root: str, port: int, process_id: int) -> None:
   `SIGNAL_IN_STEP`, and its rerun; each under a clock of its own per process (process 0's
   advances `STEP_SECONDS` a step, process 1's never moves) and with its saves recorded."""
   import jax
+  compile_once_for_both_processes()
   jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
   jax.config.update("jax_default_matmul_precision", "highest")
   import sigterm
