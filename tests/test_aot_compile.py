@@ -32,7 +32,7 @@ def test_small_preset_train_step_compiles_for_v5p_2x2x1(monkeypatch):
   config = config_utils.load_config_file(os.path.join(ROOT, "configs", "pretrain.py"), "small")
   config_utils.apply_overrides(config, [
       "model.num_hidden_layers=2", "model.scan_layers=True", "model.moe_impl=ragged_dot",
-      "train.batch=8", "train.seq_len=256"])
+      "train.batch=4", "train.seq_len=128"])     # the same collectives as 8 x 256, 28% less compiling
   devices = topologies.get_topology_desc("v5p:2x2x1", "tpu").devices
   assert len(devices) == 4 and devices[0].platform == "tpu"
   # conftest makes "highest" the default matmul precision (fp32 parity on the CPU); Mosaic rejects an
@@ -47,7 +47,7 @@ def test_small_preset_train_step_compiles_for_v5p_2x2x1(monkeypatch):
   mesh = sharding.make_mesh({"fsdp": 2, "expert": 2}, devices)
   model = transformer.Transformer(aot_compile.target_model_config(config_utils.model_config_from(config.model), "tpu"))
   tx = optimizer.make_optimizer(config.optimizer, config.train.steps)
-  inputs = (trainer_lib.state_target(model, tx, mesh), aot_compile.abstract_batch(8, 256, mesh))
+  inputs = (trainer_lib.state_target(model, tx, mesh), aot_compile.abstract_batch(4, 128, mesh))
   shard_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(inputs))
   assert shard_bytes <= row["argument_bytes"] < 1.1 * shard_bytes, (row["argument_bytes"], shard_bytes)
 
