@@ -15,7 +15,8 @@ through the vision decoder, and its host-side batches are a pure function of the
 micro config still passes the stage's checks here, and trains vision RL's start.
 
 The three processes (`single`: one process, 4 devices; process 0 and 1; LLVM at its quickest
-level, cpu_env.COMPILE_BOUND_FLAGS) start once and run the stages in turn, each into its
+level, cpu_env.COMPILE_BOUND_FLAGS; process 1 loads the programs process 0 compiled,
+cpu_env.compile_once_for_both_processes) start once and run the stages in turn, each into its
 own workdir and metrics file; a test per stage
 compares them: every logged metric, and the params of the last checkpoint (the pair's saved
 by both processes together). Run as a script, this file is one such worker.
