@@ -20,6 +20,7 @@ import socket
 
 COMPILE_FLAGS = "--xla_backend_optimization_level=1"
 COMPILE_BOUND_FLAGS = "--xla_backend_optimization_level=0"
+SHARE_TIMEOUT_MS = 5 * 60 * 1000
 
 
 def xla_flags(devices: int | None = None, compile_bound: bool = False) -> str:
@@ -53,6 +54,9 @@ def compile_once_for_both_processes() -> bool:
     return False
   cache_key._hash_accelerator_config = cache_key._hash_devices     # pylint: disable=protected-access
   jax.config.update("jax_share_binary_between_hosts", True)
+  # jax's default wait is 20 minutes; a program compiles here in well under one, so a process 0
+  # that died fails its partner within SHARE_TIMEOUT_MS instead.
+  jax.config.update("jax_share_binary_between_hosts_timeout_ms", SHARE_TIMEOUT_MS)
   return True
 
 
