@@ -16,7 +16,9 @@ MICRO = ["--config.model.num_hidden_layers=2", "--config.model.vocab_size=512", 
 
 
 def main(*flags, devices=1):
-  env = subprocess_env(devices)
+  """`python -m k25jax.main` on configs/pretrain.py with `flags`: runs of a step or two, so
+  compiled at LLVM's quickest level (cpu_env: 27-30 -> 22 CPU-s for the override test)."""
+  env = subprocess_env(devices, compile_bound=True)
   return subprocess.run([sys.executable, "-m", "k25jax.main", "--config=configs/pretrain.py", *flags],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
