@@ -149,7 +149,9 @@ def test_the_guard_stops_after_the_limit_naming_the_last_good_checkpoint():
 
 
 def _main(*flags):
-  env = subprocess_env(1)
+  """`python -m k25jax.main` on one device, at LLVM's quickest level: a micro run that stops in a few
+  steps compiles more than it runs (the diverging run 27-29 -> 21-24 CPU-s alone, two runs each)."""
+  env = subprocess_env(1, compile_bound=True)
   return subprocess.run([sys.executable, "-m", "k25jax.main", *flags], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=600)
 
