@@ -35,9 +35,9 @@ def subprocess_env(devices: int | None = None, compile_bound: bool = False, **ex
   return dict(os.environ, XLA_FLAGS=xla_flags(devices, compile_bound), JAX_PLATFORMS="cpu", **extra)
 
 
-def compile_once_for_both_processes() -> bool:
+def compile_once_for_both_processes() -> None:
   """Process 1 of a pair takes each program process 0 compiled, instead of compiling it too; call
-  before jax.distributed.initialize. Returns whether it is set up.
+  before jax.distributed.initialize.
 
   jax shares a program between processes (`jax_share_binary_between_hosts`: process 0 compiles and
   posts the executable in the coordinator's key-value store, the others wait for it) under its
@@ -51,13 +51,12 @@ def compile_once_for_both_processes() -> bool:
   from jax._src import cache_key
   if not (callable(getattr(cache_key, "_hash_accelerator_config", None))
           and callable(getattr(cache_key, "_hash_devices", None))):
-    return False
+    return
   cache_key._hash_accelerator_config = cache_key._hash_devices     # pylint: disable=protected-access
   jax.config.update("jax_share_binary_between_hosts", True)
   # jax's default wait is 20 minutes; a program compiles here in well under one, so a process 0
   # that died fails its partner within SHARE_TIMEOUT_MS instead.
   jax.config.update("jax_share_binary_between_hosts_timeout_ms", SHARE_TIMEOUT_MS)
-  return True
 
 
 def free_port() -> int:
